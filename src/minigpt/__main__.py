@@ -1,0 +1,5 @@
+"""`python -m minigpt COMMAND ...`: see `minigpt.cli`."""
+
+from minigpt.cli import main
+
+raise SystemExit(main())
