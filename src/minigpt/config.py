@@ -1,0 +1,133 @@
+"""Validated model configuration, named presets and reproducibility switches.
+
+A `GPTConfig` is checked when it is made: a width that the heads cannot
+share, a non-positive size or a dropout outside [0, 1) raises a `ValueError`
+(pydantic's `ValidationError` is one) whose message names the field and the
+rule it broke, long before a tensor of the wrong shape could.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+GPT2Size = Literal["small", "medium", "large", "xl"]
+
+#: The GPT-2 family (Radford et al., 2019): name -> (n_layers, d_model, n_heads).
+GPT2_SIZES: dict[str, tuple[int, int, int]] = {
+    "small": (12, 768, 12),
+    "medium": (24, 1024, 16),
+    "large": (36, 1280, 20),
+    "xl": (48, 1600, 25),
+}
+
+
+class GPTConfig(BaseModel):
+    """Every number that fixes the shape of a GPT.
+
+    Attributes:
+        vocab_size: V, the number of token ids the model reads and predicts.
+        context_length: T_max, the longest sequence the model accepts.
+        d_model: D, the width of every residual-stream vector.
+        n_heads: H, attention heads per layer; each has width d_k = D / H.
+        n_layers: L, the number of decoder blocks.
+        d_ff: width of the feed-forward hidden layer (GPT-2: 4 D, the default).
+        dropout: probability used by every dropout layer, in [0, 1).
+        bias: whether linear layers and layer norms carry a bias.
+        tie_weights: share the token embedding with the output head (GPT-2 does).
+        positional: "learned" (GPT-2) or "sinusoidal" (the original transformer).
+        layer_norm_eps: epsilon inside the square root of layer normalisation.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    vocab_size: int = Field(gt=0)
+    context_length: int = Field(gt=0)
+    d_model: int = Field(gt=0)
+    n_heads: int = Field(gt=0)
+    n_layers: int = Field(gt=0)
+    d_ff: int = Field(gt=0)
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    bias: bool = True
+    tie_weights: bool = True
+    positional: Literal["learned", "sinusoidal"] = "learned"
+    layer_norm_eps: float = Field(default=1e-5, gt=0.0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_d_ff(cls, data: Any) -> Any:
+        # GPT-2's feed-forward layer is four times as wide as the model.
+        if isinstance(data, dict) and data.get("d_ff") is None:
+            data = dict(data)
+            d_model = data.get("d_model")
+            if isinstance(d_model, int) and not isinstance(d_model, bool):
+                data["d_ff"] = 4 * d_model
+            else:
+                data.pop("d_ff", None)
+        return data
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> GPTConfig:
+        if self.d_model % self.n_heads != 0:
+            raise ValueError(
+                f"d_model (={self.d_model}) must be divisible by n_heads (={self.n_heads}): "
+                f"every head gets d_model / n_heads features"
+            )
+        return self
+
+    @property
+    def d_head(self) -> int:
+        """d_k = d_v = D / H, the width of one attention head."""
+        return self.d_model // self.n_heads
+
+    # ----- presets -----------------------------------------------------------------
+    @classmethod
+    def debug(cls, vocab_size: int = 16, **overrides: Any) -> GPTConfig:
+        """The book's tiny configuration: T = 8, D = 4, H = 2, L = 2."""
+        values: dict[str, Any] = dict(
+            vocab_size=vocab_size, context_length=8, d_model=4, n_heads=2, n_layers=2
+        )
+        return cls(**(values | overrides))
+
+    @classmethod
+    def gpt2(cls, size: str = "small", **overrides: Any) -> GPTConfig:
+        """One of the four GPT-2 models: "small" (124M), "medium", "large" or "xl"."""
+        if size not in GPT2_SIZES:
+            raise ValueError(f"unknown GPT-2 size {size!r}; choose one of {sorted(GPT2_SIZES)}")
+        n_layers, d_model, n_heads = GPT2_SIZES[size]
+        values: dict[str, Any] = dict(
+            vocab_size=50257, context_length=1024, d_model=d_model, n_heads=n_heads,
+            n_layers=n_layers, dropout=0.1,
+        )
+        return cls(**(values | overrides))
+
+    @classmethod
+    def shakespeare_cpu(cls, vocab_size: int, **overrides: Any) -> GPTConfig:
+        """The CPU recipe for character-level Shakespeare: L = 4, H = 4, D = 128, T = 64."""
+        values: dict[str, Any] = dict(
+            vocab_size=vocab_size, context_length=64, d_model=128, n_heads=4, n_layers=4,
+            dropout=0.0,
+        )
+        return cls(**(values | overrides))
+
+
+def seed_all(seed: int, *, deterministic: bool = False) -> None:
+    """Seed Python's, NumPy's and PyTorch's generators.
+
+    With ``deterministic=True`` PyTorch also refuses operations that have no
+    deterministic implementation (on a GPU some kernels are slower this way;
+    on the CPU the cost is usually nil).
+    """
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    random.seed(seed)
+    np.random.seed(seed % 2**32)  # noqa: NPY002 - the legacy global generator is what users call
+    torch.manual_seed(seed)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)

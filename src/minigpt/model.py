@@ -1,0 +1,164 @@
+"""The GPT: embeddings, a stack of pre-LN blocks, a final layer norm and a tied head."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor, nn
+
+from minigpt.config import GPTConfig
+from minigpt.nn import (
+    Block,
+    LayerNorm,
+    LearnedPositionalEmbedding,
+    SinusoidalPositionalEncoding,
+    TokenEmbedding,
+)
+
+
+class GPT(nn.Module):
+    """A decoder-only transformer language model with GPT-2's layout.
+
+    ``GPT(config)(input_ids)`` maps ids (B, T) to next-token logits (B, T, V):
+    row t of the output scores every token of the vocabulary as x_{t+1} given
+    x_0..x_t. Parameter names follow GPT-2 (``wte``, ``wpe``, ``h``, ``ln_f``,
+    ``lm_head``) so that its weights load one to one.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        if not isinstance(config, GPTConfig):
+            raise TypeError(f"GPT expects a GPTConfig, got {type(config).__name__}")
+        self.config = config
+        c = config
+        self.wte = TokenEmbedding(c.vocab_size, c.d_model)
+        self.wpe: nn.Module = (
+            LearnedPositionalEmbedding(c.context_length, c.d_model)
+            if c.positional == "learned"
+            else SinusoidalPositionalEncoding(c.context_length, c.d_model)
+        )
+        self.drop = nn.Dropout(c.dropout)
+        self.h = nn.ModuleList(
+            Block(c.d_model, c.n_heads, c.d_ff, dropout=c.dropout, bias=c.bias,
+                  eps=c.layer_norm_eps)
+            for _ in range(c.n_layers)
+        )
+        self.ln_f = LayerNorm(c.d_model, eps=c.layer_norm_eps, bias=c.bias)
+        self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
+        if c.tie_weights:
+            # One matrix W_e (V, D) both embeds tokens and scores them (W_s = W_e^T).
+            self.lm_head.weight = self.wte.weight
+        self.apply(self._init_weights)
+        # GPT-2: each residual branch's output projection is scaled by 1/sqrt(2L), since
+        # 2L branches add their outputs into the residual stream.
+        residual_std = 0.02 / math.sqrt(2 * c.n_layers)
+        for name, param in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(param, mean=0.0, std=residual_std)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        # GPT-2 initialisation: weights ~ N(0, 0.02), biases 0, layer norms at identity.
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, TokenEmbedding | LearnedPositionalEmbedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        elif isinstance(module, LayerNorm):
+            nn.init.ones_(module.weight)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+    def num_parameters(self, *, exclude_positional: bool = False) -> int:
+        """Number of trainable values; a tied matrix counts once."""
+        total = sum(p.numel() for p in self.parameters())  # parameters() de-duplicates
+        if exclude_positional and isinstance(self.wpe, LearnedPositionalEmbedding):
+            total -= self.wpe.weight.numel()
+        return total
+
+    def _check_ids(self, input_ids: Tensor) -> None:
+        if not isinstance(input_ids, Tensor):
+            raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
+        if input_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+            raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+        if input_ids.dim() != 2:
+            raise ValueError(
+                f"input_ids must have shape (B, T), got {tuple(input_ids.shape)}; "
+                "for one sequence use input_ids.unsqueeze(0)"
+            )
+        length = input_ids.shape[1]
+        if length == 0:
+            raise ValueError("input_ids is empty: T must be at least 1")
+        if length > self.config.context_length:
+            raise ValueError(
+                f"sequence length T={length} exceeds context_length="
+                f"{self.config.context_length}; crop the input to its last "
+                f"{self.config.context_length} tokens"
+            )
+        low, high = int(input_ids.min()), int(input_ids.max())
+        if low < 0 or high >= self.config.vocab_size:
+            bad = low if low < 0 else high
+            raise ValueError(
+                f"token id {bad} is out of range: ids must lie in [0, {self.config.vocab_size})"
+            )
+
+    def _run(self, input_ids: Tensor, need_weights: bool) -> tuple[Tensor, list[Tensor]]:
+        self._check_ids(input_ids)
+        input_ids = input_ids.long()
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = self.drop(self.wte(input_ids) + self.wpe(positions))  # (B, T, D)
+        maps: list[Tensor] = []
+        for block in self.h:
+            x, weights = block(x, need_weights=need_weights)
+            if weights is not None:
+                maps.append(weights)
+        logits: Tensor = self.lm_head(self.ln_f(x))  # (B, T, V)
+        return logits, maps
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        """input_ids (B, T) int -> logits (B, T, V)."""
+        return self._run(input_ids, need_weights=False)[0]
+
+    def forward_with_attention(self, input_ids: Tensor) -> tuple[Tensor, list[Tensor]]:
+        """Logits (B, T, V) and each layer's attention weights, a list of L tensors (B, H, T, T)."""
+        return self._run(input_ids, need_weights=True)
+
+    # ----- loading GPT-2 weights -----------------------------------------------------
+    @classmethod
+    def from_gpt2_state_dict(cls, state_dict: Mapping[str, Tensor], config: GPTConfig) -> GPT:
+        """Build a GPT from the tensors of a Hugging Face ``GPT2LMHeadModel``.
+
+        Hugging Face stores GPT-2's linear maps as ``Conv1D`` with weights of
+        shape (in, out); ``nn.Linear`` keeps (out, in), so those four are
+        transposed. Buffers such as ``attn.bias`` (its causal mask) are ignored.
+        """
+        if config.positional != "learned" or not config.tie_weights:
+            raise ValueError("GPT-2 weights need positional='learned' and tie_weights=True")
+        model = cls(config)
+        own = model.state_dict()
+        transposed = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
+                      "mlp.c_proj.weight")
+        loaded: set[str] = set()
+        for hf_name, tensor in state_dict.items():
+            name = hf_name.removeprefix("transformer.")
+            if name.endswith((".attn.bias", ".attn.masked_bias")):
+                continue  # causal-mask buffers, not parameters
+            if name not in own:
+                raise ValueError(f"unexpected tensor {hf_name!r} in the GPT-2 state dict")
+            value = tensor.t() if name.endswith(transposed) else tensor
+            if tuple(value.shape) != tuple(own[name].shape):
+                raise ValueError(
+                    f"shape mismatch for {hf_name!r}: state dict has {tuple(tensor.shape)}, "
+                    f"the config expects {tuple(own[name].shape)}"
+                )
+            with torch.no_grad():
+                own[name].copy_(value)
+            loaded.add(name)
+        tied = {"lm_head.weight"} if "wte.weight" in loaded else set()
+        missing = sorted(set(own) - loaded - tied)
+        if missing:
+            raise ValueError(f"the GPT-2 state dict lacks {missing}")
+        return model

@@ -1,0 +1,327 @@
+"""The building blocks of a GPT, each small enough to read in one go.
+
+Shapes use the book's notation: B batch, T positions, D model width, H heads,
+d_k = D / H per-head width, d_ff feed-forward width, V vocabulary size.
+Positions are 0..T-1 in code (1..T in the maths).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# ----------------------------------------------------------------------------------
+# Embeddings and positions
+# ----------------------------------------------------------------------------------
+
+
+class TokenEmbedding(nn.Module):
+    """Look up one learned D-vector per token id: row ``x`` of ``W_e``.
+
+    Args:
+        vocab_size: V, the number of rows of ``W_e``.
+        d_model: D, the width of each row.
+
+    Shapes: ids (B, T) int64 -> (B, T, D); ``weight`` is W_e with shape (V, D).
+    """
+
+    def __init__(self, vocab_size: int, d_model: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, d_model))
+        nn.init.normal_(self.weight, mean=0.0, std=0.02)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return F.embedding(ids, self.weight)
+
+
+def one_hot_embedding(ids: Tensor, weight: Tensor) -> Tensor:
+    """The same lookup written as a matrix product: one_hot(ids) @ W_e.
+
+    Args:
+        ids: (..., T) int64 token ids in [0, V).
+        weight: W_e, (V, D).
+
+    Returns: (..., T, D); equal to `TokenEmbedding` (each row of the one-hot
+    matrix selects exactly one row of W_e).
+    """
+    one_hot = F.one_hot(ids, num_classes=weight.shape[0]).to(weight.dtype)
+    return one_hot @ weight
+
+
+def sinusoidal_encoding(num_positions: int, d_model: int, base: float = 10000.0) -> Tensor:
+    """The fixed encoding of the original transformer, positions 0..T-1.
+
+    P[p, 2i] = sin(p / base^(2i/D)) and P[p, 2i+1] = cos(p / base^(2i/D)).
+
+    Args:
+        num_positions: T, how many positions (rows).
+        d_model: D, how many dimensions (columns).
+        base: the geometric progression's base (10000 in the paper).
+
+    Returns: P with shape (T, D), float32.
+    """
+    if num_positions < 1 or d_model < 1:
+        raise ValueError(
+            f"num_positions and d_model must be positive, got {num_positions} and {d_model}"
+        )
+    position = torch.arange(num_positions, dtype=torch.float64).unsqueeze(1)  # (T, 1)
+    two_i = torch.arange(0, d_model, 2, dtype=torch.float64)  # 0, 2, 4, ...
+    angle = position / base ** (two_i / d_model)  # (T, ceil(D/2))
+    encoding = torch.zeros(num_positions, d_model, dtype=torch.float64)
+    encoding[:, 0::2] = torch.sin(angle)
+    encoding[:, 1::2] = torch.cos(angle[:, : d_model // 2])
+    return encoding.float()
+
+
+class SinusoidalPositionalEncoding(nn.Module):
+    """Fixed sinusoids, stored as a buffer (saved with the model, never trained).
+
+    Shapes: positions (T,) int64 -> (T, D).
+    """
+
+    encoding: Tensor
+
+    def __init__(self, context_length: int, d_model: int) -> None:
+        super().__init__()
+        self.register_buffer("encoding", sinusoidal_encoding(context_length, d_model),
+                             persistent=False)
+
+    def forward(self, positions: Tensor) -> Tensor:
+        return self.encoding[positions]
+
+
+class LearnedPositionalEmbedding(nn.Module):
+    """One trained D-vector per position, GPT-2's choice.
+
+    Shapes: positions (T,) int64 -> (T, D); ``weight`` is (T_max, D).
+    """
+
+    def __init__(self, context_length: int, d_model: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(context_length, d_model))
+        nn.init.normal_(self.weight, mean=0.0, std=0.02)
+
+    def forward(self, positions: Tensor) -> Tensor:
+        return F.embedding(positions, self.weight)
+
+
+# ----------------------------------------------------------------------------------
+# Normalisation and activation
+# ----------------------------------------------------------------------------------
+
+
+class LayerNorm(nn.Module):
+    """Layer normalisation written out: (x - mean) / sqrt(var + eps) * gamma + beta.
+
+    Each of the B x T vectors is normalised over its own D features with the
+    population variance (divide by D, not D - 1); eps sits inside the square
+    root. gamma (``weight``) and beta (``bias``) are shared by all positions.
+
+    Shapes: (..., D) -> (..., D).
+    """
+
+    def __init__(self, d_model: int, eps: float = 1e-5, bias: bool = True) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d_model))
+        self.bias = nn.Parameter(torch.zeros(d_model)) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        mean = x.mean(dim=-1, keepdim=True)
+        var = (x - mean).pow(2).mean(dim=-1, keepdim=True)
+        x_hat = (x - mean) * torch.rsqrt(var + self.eps)
+        out = x_hat * self.weight
+        return out + self.bias if self.bias is not None else out
+
+
+def gelu(x: Tensor, approximate: str = "none") -> Tensor:
+    """GELU(x) = x * Phi(x), Phi the standard normal CDF.
+
+    ``approximate="none"`` uses erf exactly; ``"tanh"`` uses GPT-2's
+    approximation 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+    """
+    if approximate == "none":
+        return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
+    if approximate == "tanh":
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3))))
+    raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
+
+
+# ----------------------------------------------------------------------------------
+# Attention
+# ----------------------------------------------------------------------------------
+
+
+def causal_mask(num_positions: int, device: torch.device | str | None = None) -> Tensor:
+    """Boolean mask of shape (1, 1, T, T): True where query i may attend to key j (j <= i).
+
+    The two leading axes broadcast over the batch and the heads.
+    """
+    keep = torch.ones(num_positions, num_positions, dtype=torch.bool, device=device)
+    return torch.tril(keep).view(1, 1, num_positions, num_positions)
+
+
+def scaled_dot_product_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+) -> tuple[Tensor, Tensor]:
+    """softmax(Q K^T / sqrt(d_k)) V, returning the context and the weights.
+
+    Args:
+        q: queries, (..., T_q, d_k).
+        k: keys, (..., T_k, d_k).
+        v: values, (..., T_k, d_v).
+        mask: boolean, broadcastable to (..., T_q, T_k); True where attention is
+            allowed. Every query must be allowed at least one key.
+        dropout_p: probability of dropping an attention weight (training only).
+
+    Returns:
+        context (..., T_q, d_v) and weights (..., T_q, T_k), each row of the
+        weights a probability distribution over the keys.
+    """
+    d_k = q.shape[-1]
+    scores = q @ k.transpose(-2, -1) / math.sqrt(d_k)  # (..., T_q, T_k)
+    if mask is not None:
+        # exp(-inf) = 0: a masked key gets exactly zero weight.
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1)
+    attended = F.dropout(weights, p=dropout_p) if dropout_p > 0.0 else weights
+    return attended @ v, weights
+
+
+def split_heads(x: Tensor, n_heads: int) -> Tensor:
+    """(B, T, D) -> (B, H, T, d_k): view D as H blocks of d_k, move heads forward."""
+    batch, length, width = x.shape
+    return x.view(batch, length, n_heads, width // n_heads).transpose(1, 2)
+
+
+def merge_heads(x: Tensor) -> Tensor:
+    """(B, H, T, d_k) -> (B, T, D): the inverse of `split_heads` (concatenate the heads)."""
+    batch, n_heads, length, d_head = x.shape
+    return x.transpose(1, 2).contiguous().view(batch, length, n_heads * d_head)
+
+
+class MultiHeadAttention(nn.Module):
+    """Masked multi-head self-attention, GPT-2 style.
+
+    One linear map ``c_attn`` makes Q, K and V for all heads at once (D -> 3D);
+    the heads attend independently; their outputs are concatenated and mixed
+    by ``c_proj``, the W^O of the paper, with shape (H d_v) x D.
+
+    Args:
+        d_model: D.
+        n_heads: H; must divide D.
+        dropout: dropout on the attention weights and on the output.
+        bias: whether the two linear maps carry biases.
+        causal: mask the future (a decoder); False gives full attention.
+
+    Shapes: x (B, T, D) -> y (B, T, D), and with ``need_weights`` the weights
+    (B, H, T, T).
+
+    ``use_fused`` picks PyTorch's `scaled_dot_product_attention` kernel when
+    the weights are not asked for; both paths compute the same numbers.
+    """
+
+    def __init__(
+        self, d_model: int, n_heads: int, *, dropout: float = 0.0, bias: bool = True,
+        causal: bool = True,
+    ) -> None:
+        super().__init__()
+        if d_model % n_heads != 0:
+            raise ValueError(f"d_model (={d_model}) must be divisible by n_heads (={n_heads})")
+        self.n_heads = n_heads
+        self.dropout = dropout
+        self.causal = causal
+        self.use_fused = True
+        self.c_attn = nn.Linear(d_model, 3 * d_model, bias=bias)
+        self.c_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.resid_dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor, need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
+        q, k, v = self.c_attn(x).split(x.shape[-1], dim=-1)  # 3 x (B, T, D)
+        q, k, v = (split_heads(t, self.n_heads) for t in (q, k, v))  # (B, H, T, d_k)
+        dropout_p = self.dropout if self.training else 0.0
+        weights: Tensor | None = None
+        if self.use_fused and not need_weights:
+            context = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p,
+                                                     is_causal=self.causal)
+        else:
+            mask = causal_mask(x.shape[1], x.device) if self.causal else None
+            context, weights = scaled_dot_product_attention(q, k, v, mask, dropout_p)
+        y = self.resid_dropout(self.c_proj(merge_heads(context)))
+        return y, weights
+
+
+# ----------------------------------------------------------------------------------
+# Feed-forward network and the decoder block
+# ----------------------------------------------------------------------------------
+
+
+class FeedForward(nn.Module):
+    """Position-wise MLP: GELU(x W_1 + b_1) W_2 + b_2, applied to each position alone.
+
+    Names follow GPT-2: ``c_fc`` (D -> d_ff) and ``c_proj`` (d_ff -> D). GELU is
+    GPT-2's tanh approximation (equal to our `gelu(x, "tanh")`).
+
+    Shapes: (B, T, D) -> (B, T, D).
+    """
+
+    def __init__(self, d_model: int, d_ff: int, *, dropout: float = 0.0, bias: bool = True) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(d_model, d_ff, bias=bias)
+        self.gelu = nn.GELU(approximate="tanh")
+        self.c_proj = nn.Linear(d_ff, d_model, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+        return out
+
+
+class Block(nn.Module):
+    """One pre-LN decoder block: x + Attn(LN(x)), then x + FFN(LN(x)).
+
+    Normalising the input of each sub-layer (not its output, as the original
+    transformer's post-LN did) keeps an identity path from the block's input
+    to its output, which is what lets deep GPT-2s train stably.
+
+    Shapes: (B, T, D) -> (B, T, D), plus attention weights (B, H, T, T) when
+    asked for.
+    """
+
+    def __init__(
+        self, d_model: int, n_heads: int, d_ff: int, *, dropout: float = 0.0,
+        bias: bool = True, eps: float = 1e-5,
+    ) -> None:
+        super().__init__()
+        self.ln_1 = LayerNorm(d_model, eps=eps, bias=bias)
+        self.attn = MultiHeadAttention(d_model, n_heads, dropout=dropout, bias=bias)
+        self.ln_2 = LayerNorm(d_model, eps=eps, bias=bias)
+        self.mlp = FeedForward(d_model, d_ff, dropout=dropout, bias=bias)
+
+    def forward(self, x: Tensor, need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
+        attended, weights = self.attn(self.ln_1(x), need_weights=need_weights)
+        x = x + attended
+        x = x + self.mlp(self.ln_2(x))
+        return x, weights
+
+
+class PostLNBlock(Block):
+    """The original transformer's post-LN ordering: LN(x + Attn(x)), then LN(x + FFN(x)).
+
+    Kept for comparison only (GPT uses the pre-LN `Block`): here every path
+    from input to output passes through a layer norm, so no sub-layer can be
+    skipped by an identity map.
+    """
+
+    def forward(self, x: Tensor, need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
+        attended, weights = self.attn(x, need_weights=need_weights)
+        x = self.ln_1(x + attended)
+        x = self.ln_2(x + self.mlp(x))
+        return x, weights

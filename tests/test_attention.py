@@ -1,0 +1,133 @@
+"""Scaled dot-product and multi-head attention: parity and invariants."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minigpt.nn import (
+    MultiHeadAttention,
+    causal_mask,
+    merge_heads,
+    scaled_dot_product_attention,
+    split_heads,
+)
+
+shapes = st.tuples(
+    st.integers(1, 3),  # B
+    st.integers(1, 4),  # H
+    st.integers(1, 9),  # T
+    st.integers(1, 8),  # d_k
+)
+
+
+def _qkv(batch, heads, length, d_k, seed, scale=1.0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, heads, length, d_k, generator=generator) * scale for _ in range(3)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(shape=shapes, seed=st.integers(0, 2**16), scale=st.sampled_from([0.1, 1.0, 10.0]),
+       causal=st.booleans())
+def test_weights_are_distributions(shape, seed, scale, causal):
+    q, k, v = _qkv(*shape, seed, scale)
+    mask = causal_mask(shape[2]) if causal else None
+    context, weights = scaled_dot_product_attention(q, k, v, mask)
+    assert context.shape == v.shape
+    assert weights.shape == (*shape[:3], shape[2])
+    assert torch.all(weights >= 0) and torch.all(weights <= 1)
+    assert torch.allclose(weights.sum(-1), torch.ones(shape[:3]), atol=1e-5)
+    if causal:
+        upper = torch.triu(torch.ones(shape[2], shape[2], dtype=torch.bool), diagonal=1)
+        assert torch.all(weights[..., upper] == 0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(shape=shapes, seed=st.integers(0, 2**16), causal=st.booleans())
+def test_explicit_equals_pytorch_kernel(shape, seed, causal):
+    q, k, v = _qkv(*shape, seed)
+    mask = causal_mask(shape[2]) if causal else None
+    ours, _ = scaled_dot_product_attention(q, k, v, mask)
+    theirs = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    assert torch.allclose(ours, theirs, atol=1e-5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(length=st.integers(2, 10), seed=st.integers(0, 2**16))
+def test_permutation_equivariance_without_positions(length, seed):
+    # Unmasked attention with no positional information: permuting the tokens
+    # permutes the output rows the same way (equivariance, not invariance).
+    torch.manual_seed(seed)
+    attention = MultiHeadAttention(8, 2, causal=False).eval()
+    x = torch.randn(1, length, 8)
+    perm = torch.randperm(length)
+    out, _ = attention(x)
+    out_perm, _ = attention(x[:, perm])
+    assert torch.allclose(out_perm, out[:, perm], atol=1e-5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(length=st.integers(2, 10), t=st.integers(0, 8), seed=st.integers(0, 2**16))
+def test_causal_output_ignores_the_future(length, t, seed):
+    t = t % (length - 1)
+    torch.manual_seed(seed)
+    attention = MultiHeadAttention(8, 2, causal=True).eval()
+    x = torch.randn(1, length, 8)
+    changed = x.clone()
+    changed[:, t + 1:] = torch.randn_like(changed[:, t + 1:]) * 5
+    before, _ = attention(x)
+    after, _ = attention(changed)
+    assert torch.allclose(before[:, : t + 1], after[:, : t + 1], atol=1e-6)
+    assert not torch.allclose(before[:, t + 1:], after[:, t + 1:], atol=1e-3)
+
+
+def test_exact_match_example():
+    # Keys [1,0], [0,1], [1,1] and query [1,0]: scores 1, 0, 1 before scaling.
+    q = torch.tensor([[1.0, 0.0]])
+    k = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    v = torch.tensor([[10.0], [20.0], [30.0]])
+    context, weights = scaled_dot_product_attention(q, k, v)
+    s = 1 / math.sqrt(2)
+    expected = torch.softmax(torch.tensor([s, 0.0, s]), dim=-1)
+    assert torch.allclose(weights[0], expected)
+    assert context.item() == pytest.approx((expected * torch.tensor([10.0, 20.0, 30.0])).sum())
+
+
+def test_split_and_merge_heads_are_inverse():
+    x = torch.randn(2, 5, 12)
+    heads = split_heads(x, 3)
+    assert heads.shape == (2, 3, 5, 4)
+    # head h holds features h*d_k .. (h+1)*d_k - 1
+    assert torch.equal(heads[:, 1], x[..., 4:8])
+    assert torch.equal(merge_heads(heads), x)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_multi_head_fast_path_matches_explicit(causal):
+    torch.manual_seed(0)
+    attention = MultiHeadAttention(16, 4, causal=causal).eval()
+    x = torch.randn(3, 7, 16)
+    fast, none = attention(x)
+    slow, weights = attention(x, need_weights=True)
+    assert none is None and weights.shape == (3, 4, 7, 7)
+    assert torch.allclose(fast, slow, atol=1e-5)
+    attention.use_fused = False
+    assert torch.allclose(attention(x)[0], slow, atol=0)
+
+
+def test_multi_head_rejects_indivisible_width():
+    with pytest.raises(ValueError, match=r"d_model \(=10\) must be divisible by n_heads \(=3\)"):
+        MultiHeadAttention(10, 3)
+
+
+def test_scaling_restores_unit_variance():
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(4, 8, 32, 512, generator=generator)
+    k = torch.randn(4, 8, 32, 512, generator=generator)
+    raw = (q @ k.transpose(-2, -1)).var().item()
+    scaled = (q @ k.transpose(-2, -1) / math.sqrt(512)).var().item()
+    assert raw == pytest.approx(512, rel=0.05)
+    assert scaled == pytest.approx(1, rel=0.05)

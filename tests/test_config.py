@@ -1,0 +1,97 @@
+"""GPTConfig validation, defaults and presets."""
+
+import pytest
+import torch
+
+from minigpt import GPTConfig, seed_all
+from minigpt.config import GPT2_SIZES
+
+BASE = dict(vocab_size=11, context_length=8, d_model=12, n_heads=3, n_layers=2)
+
+
+def test_defaults_follow_gpt2():
+    config = GPTConfig(**BASE)
+    assert config.d_ff == 4 * 12
+    assert config.tie_weights and config.bias and config.positional == "learned"
+    assert config.d_head == 4
+
+
+def test_explicit_d_ff_is_kept():
+    assert GPTConfig(**BASE, d_ff=7).d_ff == 7
+
+
+@pytest.mark.parametrize(
+    ("override", "field", "rule"),
+    [
+        (dict(d_model=10, n_heads=3), "d_model", "divisible by n_heads"),
+        (dict(vocab_size=0), "vocab_size", "greater than 0"),
+        (dict(context_length=-1), "context_length", "greater than 0"),
+        (dict(n_layers=0), "n_layers", "greater than 0"),
+        (dict(n_heads=0), "n_heads", "greater than 0"),
+        (dict(d_ff=0), "d_ff", "greater than 0"),
+        (dict(dropout=1.0), "dropout", "less than 1"),
+        (dict(dropout=-0.1), "dropout", "greater than or equal to 0"),
+        (dict(positional="rotary"), "positional", "'learned' or 'sinusoidal'"),
+        (dict(layer_norm_eps=0.0), "layer_norm_eps", "greater than 0"),
+        (dict(n_experts=4), "n_experts", "Extra inputs are not permitted"),
+    ],
+)
+def test_invalid_values_name_field_and_rule(override, field, rule):
+    with pytest.raises(ValueError) as info:
+        GPTConfig(**(BASE | override))
+    message = str(info.value)
+    assert field in message and rule in message
+
+
+def test_config_is_immutable():
+    config = GPTConfig(**BASE)
+    with pytest.raises(ValueError):
+        config.d_model = 16
+
+
+def test_round_trip_through_dict():
+    config = GPTConfig.gpt2("medium")
+    assert GPTConfig(**config.model_dump()) == config
+
+
+@pytest.mark.parametrize("size", list(GPT2_SIZES))
+def test_gpt2_presets(size):
+    n_layers, d_model, n_heads = GPT2_SIZES[size]
+    config = GPTConfig.gpt2(size)
+    assert (config.n_layers, config.d_model, config.n_heads) == (n_layers, d_model, n_heads)
+    assert config.d_ff == 4 * d_model
+    assert (config.vocab_size, config.context_length) == (50257, 1024)
+
+
+def test_gpt2_family_table():
+    # The book's table: (L, D, H, d_ff) of the four published sizes.
+    table = {name: (c.n_layers, c.d_model, c.n_heads, c.d_ff)
+             for name in GPT2_SIZES for c in [GPTConfig.gpt2(name)]}
+    assert table == {"small": (12, 768, 12, 3072), "medium": (24, 1024, 16, 4096),
+                     "large": (36, 1280, 20, 5120), "xl": (48, 1600, 25, 6400)}
+
+
+def test_unknown_gpt2_size():
+    with pytest.raises(ValueError, match="unknown GPT-2 size 'huge'"):
+        GPTConfig.gpt2("huge")
+
+
+def test_debug_and_cpu_presets():
+    debug = GPTConfig.debug()
+    assert (debug.context_length, debug.d_model, debug.n_heads) == (8, 4, 2)
+    cpu = GPTConfig.shakespeare_cpu(vocab_size=65)
+    assert (cpu.n_layers, cpu.n_heads, cpu.d_model, cpu.context_length) == (4, 4, 128, 64)
+    assert GPTConfig.debug(n_layers=1).n_layers == 1
+
+
+@pytest.mark.parametrize("seed", [-1, 1.5, True, "3"])
+def test_seed_all_rejects_bad_seeds(seed):
+    with pytest.raises(ValueError, match="seed must be a non-negative integer"):
+        seed_all(seed)
+
+
+def test_seed_all_repeats_draws():
+    seed_all(7)
+    first = torch.rand(3)
+    seed_all(7)
+    assert torch.equal(first, torch.rand(3))

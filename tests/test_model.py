@@ -1,0 +1,148 @@
+"""The GPT: shapes, input checks, parameter count, initialisation, GPT-2 parity."""
+
+import math
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from minigpt import GPT, GPTConfig
+
+
+@pytest.fixture(scope="module")
+def debug_model():
+    torch.manual_seed(0)
+    return GPT(GPTConfig.debug()).eval()
+
+
+def test_logits_shape(debug_model):
+    ids = torch.randint(0, 16, (2, 8))
+    assert debug_model(ids).shape == (2, 8, 16)
+    logits, maps = debug_model.forward_with_attention(ids)
+    assert torch.allclose(logits, debug_model(ids), atol=1e-6)
+    assert len(maps) == 2 and all(m.shape == (2, 2, 8, 8) for m in maps)
+
+
+@pytest.mark.parametrize(
+    ("ids", "error", "message"),
+    [
+        (torch.tensor([[0, 16]]), ValueError,
+         r"token id 16 is out of range: ids must lie in \[0, 16\)"),
+        (torch.tensor([[-1, 3]]), ValueError, r"token id -1 is out of range"),
+        (torch.zeros(1, 9, dtype=torch.long), ValueError, "T=9 exceeds context_length=8"),
+        (torch.zeros(4, dtype=torch.long), ValueError, r"shape \(B, T\), got \(4,\)"),
+        (torch.zeros(1, 0, dtype=torch.long), ValueError, "input_ids is empty"),
+        (torch.zeros(1, 3), ValueError, "integer token ids"),
+        ([[1, 2]], TypeError, "must be a torch.Tensor"),
+    ],
+)
+def test_bad_inputs_raise_clear_errors(debug_model, ids, error, message):
+    with pytest.raises(error, match=message):
+        debug_model(ids)
+
+
+def test_config_type_is_checked():
+    with pytest.raises(TypeError, match="GPT expects a GPTConfig"):
+        GPT({"vocab_size": 3})
+
+
+def test_gpt2_small_parameter_count():
+    model = GPT(GPTConfig.gpt2("small"))
+    assert model.num_parameters() == 124_439_808
+    assert model.lm_head.weight is model.wte.weight
+    assert model.num_parameters(exclude_positional=True) == 124_439_808 - 1024 * 768
+
+
+def test_untied_head_counts_its_own_matrix():
+    tied = GPT(GPTConfig.debug())
+    untied = GPT(GPTConfig.debug(tie_weights=False))
+    assert untied.num_parameters() - tied.num_parameters() == 16 * 4
+
+
+def test_gpt2_initialisation_statistics():
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=500, context_length=64, d_model=256, n_heads=4, n_layers=8)
+    model = GPT(config)
+    assert model.h[0].attn.c_attn.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    residual = 0.02 / math.sqrt(2 * 8)
+    assert model.h[3].attn.c_proj.weight.std().item() == pytest.approx(residual, rel=0.05)
+    assert model.h[3].mlp.c_proj.weight.std().item() == pytest.approx(residual, rel=0.05)
+    assert torch.count_nonzero(model.h[2].mlp.c_fc.bias) == 0
+    assert torch.equal(model.ln_f.weight, torch.ones(256))
+
+
+def test_untrained_loss_is_near_log_v():
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=65, context_length=32, d_model=64, n_heads=4, n_layers=2)
+    model = GPT(config).eval()
+    ids = torch.randint(0, 65, (8, 32))
+    targets = torch.randint(0, 65, (8, 32))
+    logits = model(ids)
+    loss = torch.nn.functional.cross_entropy(logits.view(-1, 65), targets.view(-1)).item()
+    assert loss == pytest.approx(math.log(65), abs=0.05)
+
+
+def test_causality_of_the_whole_model(debug_model):
+    ids = torch.randint(0, 16, (1, 8))
+    changed = ids.clone()
+    changed[0, 5:] = (changed[0, 5:] + 1) % 16
+    assert torch.allclose(debug_model(ids)[:, :5], debug_model(changed)[:, :5], atol=1e-6)
+
+
+def test_sinusoidal_variant_runs():
+    model = GPT(GPTConfig.debug(positional="sinusoidal"))
+    assert model(torch.zeros(1, 8, dtype=torch.long)).shape == (1, 8, 16)
+
+
+def _hf_model(n_layers, d_model, n_heads, vocab, positions, seed):
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        vocab_size=vocab, n_positions=positions, n_embd=d_model, n_layer=n_layers, n_head=n_heads,
+        activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        layer_norm_epsilon=1e-5, bos_token_id=0, eos_token_id=0,
+    )
+    config._attn_implementation = "eager"  # so that it can return its attention weights
+    model = GPT2LMHeadModel(config).eval()
+    # Make every tensor large and distinct so that a misplaced or untransposed
+    # weight (or a layer norm left at identity) cannot hide.
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.3)
+    return model
+
+
+@pytest.mark.parametrize(
+    ("n_layers", "d_model", "n_heads", "vocab", "positions"),
+    [(1, 8, 1, 11, 16), (2, 32, 4, 97, 24), (3, 48, 6, 50, 12)],
+)
+def test_logits_equal_hugging_face_gpt2(n_layers, d_model, n_heads, vocab, positions):
+    hf = _hf_model(n_layers, d_model, n_heads, vocab, positions, seed=n_layers)
+    config = GPTConfig(vocab_size=vocab, context_length=positions, d_model=d_model,
+                       n_heads=n_heads, n_layers=n_layers)
+    ours = GPT.from_gpt2_state_dict(hf.state_dict(), config).eval()
+    ids = torch.randint(0, vocab, (3, positions), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(ids).logits
+        got = ours(ids)
+        _, maps = ours.forward_with_attention(ids)
+        hf_maps = hf(ids, output_attentions=True).attentions
+    assert torch.allclose(got, expected, atol=1e-5, rtol=0), (got - expected).abs().max()
+    for a, b in zip(maps, hf_maps, strict=True):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_loading_rejects_mismatched_state_dicts():
+    hf = _hf_model(1, 8, 2, 11, 16, seed=0)
+    state = hf.state_dict()
+    wrong = GPTConfig(vocab_size=12, context_length=16, d_model=8, n_heads=2, n_layers=1)
+    with pytest.raises(ValueError, match="shape mismatch for 'transformer.wte.weight'"):
+        GPT.from_gpt2_state_dict(state, wrong)
+    right = GPTConfig(vocab_size=11, context_length=16, d_model=8, n_heads=2, n_layers=1)
+    partial = {k: v for k, v in state.items() if "ln_f" not in k}
+    with pytest.raises(ValueError, match="lacks .*ln_f"):
+        GPT.from_gpt2_state_dict(partial, right)
+    extra = dict(state) | {"transformer.h.5.ln_1.weight": torch.ones(8)}
+    with pytest.raises(ValueError, match="unexpected tensor 'transformer.h.5.ln_1.weight'"):
+        GPT.from_gpt2_state_dict(extra, right)
+    with pytest.raises(ValueError, match="positional='learned'"):
+        GPT.from_gpt2_state_dict(state, right.model_copy(update={"positional": "sinusoidal"}))
