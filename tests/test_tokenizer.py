@@ -1,0 +1,263 @@
+"""minigpt.tokenizer: character, byte-level BPE (ours and tiktoken's encoder) and GPT-2."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import regex
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minigpt.assets import MissingAssetError
+from minigpt.data import shakespeare_text
+from minigpt.tokenizer import (
+    ENDOFTEXT,
+    GPT2_PAT_STR,
+    BPETokenizer,
+    CharTokenizer,
+    GPT2Tokenizer,
+    Tokenizer,
+    get_tokenizer,
+    gpt2_encoding,
+    tokenizer_from_dict,
+    train_bpe,
+)
+
+
+@pytest.fixture(scope="module")
+def macbeth() -> str:
+    return shakespeare_text(["macbeth"])
+
+
+@pytest.fixture(scope="module")
+def bpe(macbeth: str) -> BPETokenizer:
+    return train_bpe(macbeth, 512)
+
+
+@pytest.fixture(scope="module")
+def big_bpe(macbeth: str) -> BPETokenizer:
+    return train_bpe(macbeth, 4096)  # deep merge chains: where a mismatch would hide
+
+
+# Text that looks like the corpus (so that many merges fire), mixed with arbitrary Unicode.
+WORDS = ["the", " the", "Macbeth", " king", "'s", " thou", "\n", "  ", ",", ":", "!", "--",
+         " 1606", "encoding", " ", "\t", "\u00e9", "\U0001f600", ENDOFTEXT[:5]]
+shakespearean = st.lists(st.sampled_from(WORDS) | st.text(max_size=3), max_size=40).map("".join)
+any_text = st.text() | shakespearean
+
+
+# ----------------------------------------------------------------------------- characters
+
+def test_char_vocabulary_is_the_sorted_alphabet() -> None:
+    tok = CharTokenizer.from_text("hello, world\n")
+    assert tok.chars == "\n ,dehlorw" and tok.vocab_size == 10
+    assert tok.encode("hello") == [5, 4, 6, 6, 7]
+    assert tok.decode([5, 4, 6, 6, 7]) == "hello" and tok.name == "char"
+
+
+@given(st.data())
+def test_char_round_trip(data: st.DataObject) -> None:
+    alphabet = data.draw(st.text(min_size=1))
+    tok = CharTokenizer.from_text(alphabet)
+    text = data.draw(st.text(alphabet=alphabet))
+    assert tok.decode(tok.encode(text)) == text
+    assert all(0 <= i < tok.vocab_size for i in tok.encode(text))
+
+
+def test_char_unknown_character_is_named() -> None:
+    tok = CharTokenizer.from_text("abc")
+    with pytest.raises(ValueError, match=r"character 'z' \(U\+007A\) at position 2 is not in the "
+                                         r"vocabulary of 3 characters"):
+        tok.encode("abzc")
+
+
+def test_char_special_tokens() -> None:
+    tok = CharTokenizer.from_text("ab<|>", special_tokens=[ENDOFTEXT])  # chars "<>ab|"
+    assert tok.vocab_size == 6 and tok.special_tokens == {ENDOFTEXT: 5}
+    with pytest.raises(ValueError, match="contains the special token '<\\|endoftext\\|>'"):
+        tok.encode("ab<|endoftext|>a")
+    assert tok.encode("ab<|endoftext|>a", allowed_special={ENDOFTEXT}) == [2, 3, 5, 2]
+    assert tok.encode("a<|endoftext|>", allowed_special="all") == [2, 5]
+    # encode_ordinary treats the string as text: here its characters are not all known.
+    with pytest.raises(ValueError, match="character 'e'"):
+        tok.encode_ordinary(ENDOFTEXT)
+    assert tok.decode([2, 5, 3]) == "a<|endoftext|>b"
+
+
+def test_char_errors() -> None:
+    with pytest.raises(ValueError, match="non-empty text"):
+        CharTokenizer.from_text("")
+    with pytest.raises(ValueError, match="distinct"):
+        CharTokenizer("aba")
+    with pytest.raises(ValueError, match="special tokens must be distinct"):
+        CharTokenizer("ab", ["<s>", "<s>"])
+    with pytest.raises(ValueError, match="non-empty strings"):
+        CharTokenizer("ab", [""])
+    with pytest.raises(TypeError, match="not the string"):
+        CharTokenizer("ab", "<s>")
+    tok = CharTokenizer.from_text("ab", special_tokens=["<s>"])
+    with pytest.raises(ValueError, match=r"unknown token id 3: ids must lie in \[0, 3\)"):
+        tok.decode([0, 3])
+    with pytest.raises(ValueError, match=r"unknown token id -1"):
+        tok.decode([-1])
+    with pytest.raises(TypeError, match="token ids must be integers, got 1.0"):
+        tok.decode([1.0])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match=r"allowed_special names \['<e>'\].*are \['<s>'\]"):
+        tok.encode("ab", allowed_special={"<e>"})
+    with pytest.raises(TypeError, match="allowed_special must be 'all' or a set"):
+        tok.encode("ab", allowed_special="<s>")  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------ byte-level BPE
+
+def test_bpe_layout_and_first_merges(bpe: BPETokenizer, macbeth: str) -> None:
+    assert bpe.vocab_size == 512 and len(bpe.merges) == 512 - 256 - 1
+    assert bpe.special_tokens == {ENDOFTEXT: 511}
+    assert bpe.pat_str == GPT2_PAT_STR == gpt2_encoding()._pat_str
+    # The first merge is the most frequent adjacent byte pair inside the regex's chunks.
+    pairs: Counter[tuple[bytes, bytes]] = Counter()
+    for chunk in regex.findall(GPT2_PAT_STR, macbeth):
+        data = chunk.encode()
+        pairs.update((data[k:k + 1], data[k + 1:k + 2]) for k in range(len(data) - 1))
+    top = max(pairs.values())
+    assert bpe.merges[0] == min(pair for pair, count in pairs.items() if count == top)
+    assert bpe.token_bytes(256) == b"".join(bpe.merges[0])
+    assert all(isinstance(a, bytes) and isinstance(b, bytes) for a, b in bpe.merges)
+    # BPE compresses: fewer tokens than bytes.
+    assert len(bpe.encode_ordinary(macbeth)) < 0.6 * len(macbeth.encode())
+
+
+def test_bpe_training_is_deterministic(macbeth: str, bpe: BPETokenizer) -> None:
+    assert train_bpe(macbeth, 512).merges == bpe.merges
+
+
+@settings(max_examples=300, deadline=None)
+@given(any_text)
+def test_bpe_matches_tiktoken_with_our_merges(bpe: BPETokenizer, big_bpe: BPETokenizer,
+                                              text: str) -> None:
+    for tok in (bpe, big_bpe):
+        ids = tok.encode_ordinary(text)
+        assert tok.encode_reference(text) == ids
+        assert tok.decode(ids) == text
+
+
+def test_bpe_reference_matches_on_the_corpus(big_bpe: BPETokenizer) -> None:
+    sample = shakespeare_text(["hamlet"])  # a play it was not trained on
+    assert big_bpe.encode_reference(sample) == big_bpe.encode_ordinary(sample)
+
+
+def test_bpe_special_tokens(bpe: BPETokenizer) -> None:
+    text = f"Fair is foul{ENDOFTEXT}and foul is fair"
+    with pytest.raises(ValueError, match="contains the special token"):
+        bpe.encode(text)
+    ids = bpe.encode(text, allowed_special={ENDOFTEXT})
+    assert ids.count(511) == 1 and bpe.decode(ids) == text
+    ordinary = bpe.encode_ordinary(text)
+    assert 511 not in ordinary and bpe.decode(ordinary) == text
+
+
+def test_bpe_decode_rejects_unknown_ids(bpe: BPETokenizer) -> None:
+    with pytest.raises(ValueError, match=r"unknown token id 512: ids must lie in \[0, 512\)"):
+        bpe.decode([65, 512])
+    with pytest.raises(ValueError, match=r"unknown token id 511: ids must lie in \[0, 511\)"):
+        bpe.token_bytes(511)  # the special token stands for no bytes
+
+
+def test_bpe_training_errors() -> None:
+    with pytest.raises(ValueError, match=r"at least 257 \(256 bytes \+ 1 special tokens\), got"):
+        train_bpe("some text", 256)
+    with pytest.raises(ValueError, match=r"at least 256 \(256 bytes \+ 0 special"):
+        train_bpe("some text", 255, special_tokens=())
+    with pytest.raises(TypeError, match="vocab_size must be an int, got 300.0"):
+        train_bpe("some text", 300.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="non-empty text"):
+        train_bpe("", 300)
+    # "abab" is one chunk: b"ab" then b"abab" and nothing is left to merge.
+    with pytest.raises(ValueError, match="supports only 2 merges.*at most 258"):
+        train_bpe("abab", 300, special_tokens=())
+    assert train_bpe("abab", 258, special_tokens=()).merges == [(b"a", b"b"), (b"ab", b"ab")]
+
+
+def test_bpe_constructor_errors() -> None:
+    with pytest.raises(ValueError, match="uses a token no earlier merge made"):
+        BPETokenizer([(b"ab", b"c")])
+    with pytest.raises(ValueError, match="already a token"):
+        BPETokenizer([(b"a", b"b"), (b"ab", b"c"), (b"b", b"c"), (b"a", b"bc")])
+
+
+def test_bpe_ties_go_to_the_smaller_pair() -> None:
+    # Chunks "cd", "\n", "ab": two pairs, each seen once; the smaller byte values win.
+    assert train_bpe("cd\nab", 257, special_tokens=()).merges == [(b"a", b"b")]
+    assert train_bpe("ab\ncd", 257, special_tokens=()).merges == [(b"a", b"b")]
+    assert train_bpe("ab\ncd\ncd", 257, special_tokens=()).merges == [(b"c", b"d")]
+
+
+# ---------------------------------------------------------------------------------- GPT-2
+
+def test_gpt2_known_ids() -> None:
+    enc = gpt2_encoding()
+    assert enc.n_vocab == 50257 and enc.name == "gpt2"
+    assert enc.encode("Hello world") == [15496, 995]
+    assert enc.encode(ENDOFTEXT, allowed_special={ENDOFTEXT}) == [50256]
+    assert gpt2_encoding() is enc  # built once
+
+
+@settings(max_examples=200, deadline=None)
+@given(any_text)
+def test_gpt2_round_trip(text: str) -> None:
+    tok = GPT2Tokenizer()
+    assert tok.decode(tok.encode_ordinary(text)) == text
+
+
+def test_gpt2_tokenizer_interface() -> None:
+    tok = GPT2Tokenizer()
+    assert tok.vocab_size == 50257 and tok.special_tokens == {ENDOFTEXT: 50256}
+    with pytest.raises(ValueError, match="contains the special token"):
+        tok.encode(f"a{ENDOFTEXT}")
+    assert tok.encode(f"a{ENDOFTEXT}", allowed_special="all") == [64, 50256]
+    with pytest.raises(ValueError, match=r"unknown token id 50257: ids must lie in \[0, 50257\)"):
+        tok.decode([50257])
+
+
+def test_gpt2_needs_the_assets(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("MINIGPT_CACHE", str(tmp_path))
+    with pytest.raises(MissingAssetError, match="make setup"):
+        gpt2_encoding.__wrapped__()
+
+
+# ------------------------------------------------------------------- the common interface
+
+def test_get_tokenizer_and_the_protocol(macbeth: str) -> None:
+    char = get_tokenizer("char", macbeth)
+    bpe = get_tokenizer("bpe", macbeth[:50_000], vocab_size=300)
+    gpt2 = get_tokenizer("gpt2")
+    assert isinstance(char, CharTokenizer) and isinstance(bpe, BPETokenizer)
+    assert isinstance(gpt2, GPT2Tokenizer) and bpe.vocab_size == 300
+    for tok in (char, bpe, gpt2):
+        assert isinstance(tok, Tokenizer)
+    assert get_tokenizer("bpe", macbeth[:50_000]).vocab_size == 512  # the default
+
+
+def test_get_tokenizer_errors() -> None:
+    with pytest.raises(ValueError, match="unknown tokenizer kind 'word'; choose one of char, bpe"):
+        get_tokenizer("word", "text")
+    with pytest.raises(ValueError, match="vocab_size applies only to the 'bpe' tokenizer"):
+        get_tokenizer("char", "text", vocab_size=10)
+    with pytest.raises(ValueError, match="pass text="):
+        get_tokenizer("bpe")
+
+
+def test_to_dict_round_trips(macbeth: str, bpe: BPETokenizer) -> None:
+    sample = macbeth[:3000] + ENDOFTEXT
+    for tok in (CharTokenizer.from_text(macbeth, [ENDOFTEXT]), bpe, GPT2Tokenizer()):
+        d = tok.to_dict()
+        assert json.loads(json.dumps(d)) == d  # plain data, storable in a checkpoint
+        again = tokenizer_from_dict(d)
+        assert type(again) is type(tok) and again.vocab_size == tok.vocab_size
+        assert again.encode(sample, allowed_special="all") == tok.encode(sample,
+                                                                       allowed_special="all")
+    with pytest.raises(ValueError, match="'kind' must be one of char, bpe, gpt2, got 'word'"):
+        tokenizer_from_dict({"kind": "word"})
