@@ -30,23 +30,32 @@ assets: $(STAMP)
 
 setup: $(STAMP) $(NPM_STAMP) assets
 
-# Headless Chromium and its driver for the browser test (Debian packages).
+# Headless Chromium and its driver for the browser test (Debian packages; the
+# test drives /usr/bin/chromium through /usr/bin/chromedriver, nothing is downloaded).
 system-deps:
-	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
+	@if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then \
+		echo "installing Debian's chromium and chromium-driver"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
 	fi
 
-# Every chapter is executed afresh on every build (no stale outputs when only src/ changed).
+# Every chapter is executed afresh on every build (no stale outputs when only src/ changed):
+# a fresh Sphinx environment (--all, and no old doctrees) and execute_notebooks: force.
+# Warnings are errors; --keep-going reports all of them before failing. PYTHONHASHSEED
+# is the same here, under nbval and in `make baseline`.
 book: setup
 	rm -rf _build/.doctrees _build/html _build/jupyter_execute
-	$(VENV)/bin/jupyter-book build --all --warningiserror --keep-going --path-output . .
+	PYTHONHASHSEED=0 $(VENV)/bin/jupyter-book build --all --warningiserror --keep-going --path-output . .
 
+# pytest's options (pyproject.toml) include nbval: every chapter's stored notebook in
+# tests/notebooks/ is re-executed and its outputs compared; tests/test_site.py drives
+# headless Chromium over the site built just before.
 test: setup system-deps book
 	$(PY) -m pytest
 
-# Re-baseline the stored notebooks after an intended change of a chapter.
+# Re-baseline the stored notebooks after an intended change of a chapter, then review
+# the diff of tests/notebooks/. One or a few chapters: make baseline CHAPTERS="concept notations"
 baseline: setup
-	$(PY) -m minigpt.notebooks baseline
+	$(PY) tools/baseline.py $(CHAPTERS)
 
 lint: setup
 	$(VENV)/bin/ruff check src tests

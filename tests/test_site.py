@@ -1,0 +1,362 @@
+"""The built site (`make book` -> _build/html) works offline in a real browser.
+
+Headless Chromium (Debian's `chromium` and `chromedriver`, installed by
+`make system-deps`) opens every page listed in `_toc.yml`, served from
+127.0.0.1, and the tests check what a reader would see: math typeset by the
+project's own MathJax (no raw TeX left), proof boxes, citation links that lead
+to bibliography entries, images that load, a console without errors, and no
+request to any other host. A static scan checks that no built page or style
+sheet refers to another host for scripts, styles or fonts.
+
+The site is not built here: `make test` builds it first. A missing build is a
+failure, not a skip.
+"""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import importlib.util
+import os
+import re
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from html.parser import HTMLParser
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+from urllib.parse import urldefrag, urljoin, urlsplit
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# The book to check; another folder with the same layout only for trying the
+# tests on a scratch copy of the book.
+BOOK_ROOT = Path(os.environ.get("MINIGPT_BOOK_ROOT", ROOT)).resolve()
+SITE = BOOK_ROOT / "_build" / "html"
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMEDRIVER = Path("/usr/bin/chromedriver")
+PAGE_TIMEOUT = 60  # seconds for a page, its images and MathJax
+
+# Raw TeX delimiters that must not survive typesetting in the visible text.
+RAW_TEX = ("\\(", "\\)", "\\[", "\\]", "$$", "\\begin{")
+PROOF_DIRECTIVE = re.compile(r"^\s*(?:`{3,}|:{3,})\{prf:[a-z]+\}", re.MULTILINE)
+CITE_ROLE = re.compile(r"\{cite(?::[a-z]+)?\}`([^`]+)`")
+DISPLAY_MATH = re.compile(r"^\s*(?:\$\$|\\begin\{|(?:`{3,}|:{3,})\{math\})", re.MULTILINE)
+BIBLIOGRAPHY_DIRECTIVE = re.compile(r"^\s*(?:`{3,}|:{3,})\{bibliography\}", re.MULTILINE)
+
+
+def _load_baseline_tool() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("baseline", ROOT / "tools" / "baseline.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _toc_entries() -> list[str]:
+    tool = _load_baseline_tool()
+    return list(tool.toc_files(BOOK_ROOT / "_toc.yml"))
+
+
+PAGES = _toc_entries()
+
+
+def _source(entry: str) -> str:
+    for suffix in (".md", ".ipynb"):
+        path = BOOK_ROOT / (entry + suffix)
+        if path.exists():
+            return path.read_text(encoding="utf-8")
+    raise FileNotFoundError(f"_toc.yml lists {entry!r} but neither {entry}.md nor .ipynb exists")
+
+
+def _require_site() -> None:
+    if not (SITE / "index.html").exists():
+        pytest.fail(f"{SITE} holds no built book: run `make book` first (make test does)")
+
+
+# --------------------------------------------------------------------------
+# Static scan: nothing on the pages comes from another host.
+# --------------------------------------------------------------------------
+
+
+def _is_external(url: str) -> bool:
+    url = url.strip()
+    if url.startswith("//"):
+        return True
+    scheme = urlsplit(url).scheme.lower()
+    return scheme not in ("", "data", "blob", "about", "javascript", "mailto")
+
+
+class _ResourceRefs(HTMLParser):
+    """Collects the URLs a page *loads* (scripts, styles, fonts, images, frames)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: list[tuple[str, str]] = []
+        self._in: str | None = None
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = {k: v or "" for k, v in attrs}
+        if tag in ("script", "img", "iframe", "embed", "source", "video", "audio", "input"):
+            if a.get("src"):
+                self.refs.append((tag, a["src"]))
+        if tag == "link":
+            # rel=stylesheet/preload/icon/modulepreload... all make the browser fetch;
+            # navigation-only relations do not.
+            rels = set(a.get("rel", "").lower().split())
+            if a.get("href") and not rels <= {"index", "search", "next", "prev", "canonical"}:
+                self.refs.append((f"link rel={a.get('rel')}", a["href"]))
+        if tag == "object" and a.get("data"):
+            self.refs.append((tag, a["data"]))
+        if "style" in a:
+            self.refs += [("style attribute", u) for u in _css_urls(a["style"])]
+        self._in = tag if tag in ("script", "style") else None
+
+    def handle_data(self, data: str) -> None:
+        if self._in == "style":
+            self.refs += [("<style>", u) for u in _css_urls(data)]
+        elif self._in == "script":
+            # An inline script that names another host would load from it.
+            self.refs += [("inline <script>", u) for u in re.findall(r"https?://[^\s'\"`)]+", data)]
+
+    def handle_endtag(self, tag: str) -> None:
+        self._in = None
+
+
+def _css_urls(css: str) -> list[str]:
+    urls = re.findall(r"url\(\s*['\"]?([^'\")]+)['\"]?\s*\)", css)
+    urls += re.findall(r"@import\s+['\"]([^'\"]+)['\"]", css)
+    return urls
+
+
+def test_site_is_built() -> None:
+    _require_site()
+    missing = [p for p in PAGES if not (SITE / f"{p}.html").exists()]
+    assert not missing, f"pages in _toc.yml that the build did not produce: {missing}"
+
+
+def test_pages_load_nothing_from_other_hosts() -> None:
+    _require_site()
+    found: list[str] = []
+    pages = sorted(SITE.rglob("*.html"))
+    assert pages
+    for page in pages:
+        parser = _ResourceRefs()
+        parser.feed(page.read_text(encoding="utf-8"))
+        found += [f"{page.relative_to(SITE)}: {kind} {url}" for kind, url in parser.refs
+                  if _is_external(url)]
+    for sheet in sorted(SITE.rglob("*.css")):
+        found += [f"{sheet.relative_to(SITE)}: url {u}"
+                  for u in _css_urls(sheet.read_text(encoding="utf-8", errors="replace"))
+                  if _is_external(u)]
+    assert not found, "the site refers to other hosts:\n" + "\n".join(found[:50])
+
+
+def test_mathjax_is_served_from_the_site() -> None:
+    _require_site()
+    mathjax = SITE / "_static" / "mathjax" / "es5"
+    assert (mathjax / "tex-mml-chtml.js").is_file(), "MathJax was not copied: run `make book`"
+    fonts = list((mathjax / "output" / "chtml" / "fonts" / "woff-v2").glob("*.woff"))
+    assert len(fonts) > 10, f"MathJax's CHTML fonts are missing from {mathjax}"
+
+
+# --------------------------------------------------------------------------
+# The browser.
+# --------------------------------------------------------------------------
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def base_url() -> Iterator[str]:
+    _require_site()
+    handler = functools.partial(_QuietHandler, directory=str(SITE))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture(scope="module")
+def driver() -> Iterator[Any]:
+    for tool in (CHROMIUM, CHROMEDRIVER):
+        if not tool.exists():
+            pytest.fail(f"{tool} is missing: run `make system-deps` (Debian chromium, "
+                        "chromium-driver)")
+    # Never let Selenium Manager look for (or download) a browser or driver.
+    os.environ["SE_OFFLINE"] = "true"
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    profile = tempfile.mkdtemp(prefix="minigpt-chromium-")
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                 "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage", "--window-size=1280,1600",
+                 f"--user-data-dir={profile}"):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    browser = webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER)),
+                               options=options)
+    browser.set_page_load_timeout(PAGE_TIMEOUT)
+    browser.set_script_timeout(PAGE_TIMEOUT)
+    try:
+        yield browser
+    finally:
+        browser.quit()
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+@dataclass
+class _Page:
+    """What the browser saw on one page, once MathJax and the images are done."""
+
+    text: str  # visible text of the article, code and typeset math left out
+    math: int  # math elements Sphinx emitted (span.math, div.math)
+    typeset: int  # of those, how many hold an mjx-container
+    mathjax: str  # "ok", "absent", or the error MathJax's startup promise gave
+    proofs: int  # sphinx-proof boxes
+    citation_hrefs: list[str]
+    bib_entries: int
+    broken_images: list[str]
+    images: int
+    resources: list[str]  # every URL the page loaded
+    console: list[dict[str, Any]]
+
+
+_MATHJAX_DONE = """
+const done = arguments[arguments.length - 1];
+const started = Date.now();
+(function wait() {
+  const mj = window.MathJax;
+  const script = document.querySelector('script[src*="tex-mml-chtml"]');
+  if (!script) { done('absent'); return; }
+  if (mj && mj.startup && mj.startup.promise) {
+    mj.startup.promise.then(() => done('ok'), (e) => done('error: ' + e));
+  } else if (Date.now() - started > 50000) {
+    done('error: MathJax did not start');
+  } else { setTimeout(wait, 50); }
+})();
+"""
+
+_IMAGES_DONE = """
+const done = arguments[arguments.length - 1];
+const images = Array.from(document.images);
+images.forEach((img) => { img.loading = 'eager'; });
+Promise.all(images.map((img) => img.complete ? null :
+  new Promise((r) => { img.addEventListener('load', r); img.addEventListener('error', r); })))
+  .then(() => done(images.filter((i) => !(i.complete && i.naturalWidth > 0))
+                         .map((i) => i.currentSrc || i.src)));
+"""
+
+_INSPECT = """
+const article = document.querySelector('article.bd-article') || document.body;
+const clone = article.cloneNode(true);
+clone.querySelectorAll('pre, code, script, style, mjx-container, .cell_output')
+     .forEach((e) => e.remove());
+const math = Array.from(article.querySelectorAll('span.math, div.math'));
+return {
+  text: clone.textContent,
+  math: math.length,
+  typeset: math.filter((m) => m.querySelector('mjx-container')).length,
+  proofs: article.querySelectorAll('div.admonition.proof').length,
+  citation_hrefs: Array.from(article.querySelectorAll('a[href*="bibliography.html#"]'))
+                       .map((a) => a.href),
+  bib_entries: article.querySelectorAll('div.citation, dl.citation > dt').length,
+  images: document.images.length,
+  resources: performance.getEntriesByType('resource').map((r) => r.name),
+};
+"""
+
+
+@functools.cache
+def _visit(browser: Any, url: str) -> _Page:
+    browser.get_log("browser")  # drop what earlier pages logged
+    browser.get(url)
+    mathjax = browser.execute_async_script(_MATHJAX_DONE)
+    broken = browser.execute_async_script(_IMAGES_DONE)
+    seen = browser.execute_script(_INSPECT)
+    return _Page(mathjax=mathjax, broken_images=broken, console=browser.get_log("browser"),
+                 **seen)
+
+
+@pytest.fixture(params=PAGES)
+def page(request: pytest.FixtureRequest, driver: Any, base_url: str) -> tuple[str, _Page]:
+    entry: str = request.param
+    if not (SITE / f"{entry}.html").exists():
+        pytest.fail(f"{entry}.html was not built: run `make book`")
+    return entry, _visit(driver, urljoin(base_url, f"{entry}.html"))
+
+
+@pytest.mark.browser
+def test_math_is_typeset(page: tuple[str, _Page]) -> None:
+    entry, seen = page
+    if seen.math > 0 or DISPLAY_MATH.search(_source(entry)):
+        assert seen.math > 0, f"{entry}: the source has math but the page has no math element"
+        assert seen.mathjax == "ok", f"{entry}: MathJax {seen.mathjax}"
+        assert seen.typeset == seen.math, (
+            f"{entry}: only {seen.typeset} of {seen.math} math elements were typeset"
+        )
+    raw = [d for d in RAW_TEX if d in seen.text]
+    assert not raw, f"{entry}: raw TeX {raw} left in the visible text"
+
+
+@pytest.mark.browser
+def test_proofs_are_boxed(page: tuple[str, _Page]) -> None:
+    entry, seen = page
+    expected = len(PROOF_DIRECTIVE.findall(_source(entry)))
+    assert seen.proofs == expected, (
+        f"{entry}: {expected} prf directives in the source, {seen.proofs} proof boxes on the page"
+    )
+
+
+@pytest.mark.browser
+def test_citations_link_to_entries(page: tuple[str, _Page], base_url: str) -> None:
+    entry, seen = page
+    roles = CITE_ROLE.findall(_source(entry))
+    keys = [k for role in roles for k in role.split(",")]
+    assert len(seen.citation_hrefs) >= len(keys), (
+        f"{entry}: {len(keys)} cited keys in the source, {len(seen.citation_hrefs)} citation "
+        "links on the page"
+    )
+    for href in seen.citation_hrefs:
+        target, fragment = urldefrag(href)
+        path = SITE / target.removeprefix(base_url)
+        assert fragment and f'id="{fragment}"' in path.read_text(encoding="utf-8"), (
+            f"{entry}: citation link {href} leads to no entry"
+        )
+    if BIBLIOGRAPHY_DIRECTIVE.search(_source(entry)):
+        assert seen.bib_entries > 0, f"{entry}: the bibliography lists no entry"
+
+
+@pytest.mark.browser
+def test_images_load(page: tuple[str, _Page]) -> None:
+    entry, seen = page
+    assert not seen.broken_images, f"{entry}: images that did not load: {seen.broken_images}"
+
+
+@pytest.mark.browser
+def test_console_is_clean(page: tuple[str, _Page]) -> None:
+    entry, seen = page
+    severe = [e["message"] for e in seen.console if e.get("level") == "SEVERE"]
+    assert not severe, f"{entry}: console errors:\n" + "\n".join(severe)
+
+
+@pytest.mark.browser
+def test_nothing_loads_from_other_hosts(page: tuple[str, _Page], base_url: str) -> None:
+    entry, seen = page
+    foreign = [url for url in seen.resources if not url.startswith(base_url)]
+    assert not foreign, f"{entry}: requests to other hosts: {foreign}"

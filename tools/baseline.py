@@ -1,0 +1,220 @@
+"""Re-baseline the stored notebooks that nbval compares against: `make baseline`.
+
+Every chapter of the book is a MyST-markdown notebook `book/X.md`. nbval reads
+only `.ipynb`, so each chapter has a stored, executed copy `tests/notebooks/X.ipynb`
+holding the outputs the chapter printed when it was last baselined. `make test`
+re-executes every stored notebook with nbval and compares the new outputs with
+the stored ones; `tests/test_notebooks_sync.py` fails as soon as a chapter's code
+cells and its stored notebook's disagree, so the stored outputs cannot drift
+from the chapters.
+
+After an intended change of a chapter (or of package code whose printed
+results a chapter shows), run
+
+    make baseline                                  # every chapter
+    .venv/bin/python tools/baseline.py tokenisation concept   # only these
+
+and review the diff of `tests/notebooks/` before committing it.
+
+A stored notebook keeps only the code cells (prose does not change outputs, so
+editing it needs no re-baseline), with deterministic cell ids, no timing
+metadata and no image data (nbval compares a figure's text, not its pixels), so
+that a re-baseline's diff shows only outputs that really changed. Each chapter
+is executed the way the book build executes it: a fresh `python3` kernel whose
+working directory is the chapter's folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import jupytext
+import nbformat
+import yaml
+from nbclient import NotebookClient
+
+ROOT = Path(__file__).resolve().parents[1]
+TOC = ROOT / "_toc.yml"
+BOOK_DIR = ROOT / "book"
+STORED_DIR = ROOT / "tests" / "notebooks"
+METADATA_KEY = "minigpt_book"
+DEFAULT_TIMEOUT = 600  # seconds a cell may take, as in _config.yml
+# Outputs nbval does not compare without nbdime; dropped to keep the files small.
+DROPPED_MIME_PREFIXES = ("image/",)
+HASH_SEED = "0"  # the same in the build, in nbval and here (set iteration order)
+
+
+def toc_files(toc_path: Path = TOC) -> list[str]:
+    """Every `file:` entry of a jb-book `_toc.yml`, in reading order, root first."""
+    toc = yaml.safe_load(toc_path.read_text(encoding="utf-8"))
+    if not isinstance(toc, dict) or "root" not in toc:
+        raise ValueError(f"{toc_path}: expected a jb-book table of contents with a 'root' key")
+
+    def walk(entries: Any) -> Iterator[str]:
+        for entry in entries or []:
+            if "file" in entry:
+                yield str(entry["file"])
+            for key in ("parts", "chapters", "sections"):
+                yield from walk(entry.get(key))
+
+    return [str(toc["root"]), *walk(toc.get("parts")), *walk(toc.get("chapters"))]
+
+
+def source_path(toc_entry: str) -> Path:
+    """The source file of a toc entry (`book/intro` -> `<root>/book/intro.md`)."""
+    for suffix in (".md", ".ipynb"):
+        path = ROOT / (toc_entry if toc_entry.endswith(suffix) else toc_entry + suffix)
+        if path.exists():
+            return path
+    raise FileNotFoundError(f"_toc.yml lists {toc_entry!r} but no .md or .ipynb file exists")
+
+
+def is_notebook(path: Path) -> bool:
+    """A MyST page is a notebook when its front matter names a kernel (jupytext header)."""
+    text = path.read_text(encoding="utf-8")
+    if not text.startswith("---\n"):
+        return False
+    end = text.find("\n---", 4)
+    if end < 0:
+        return False
+    front = yaml.safe_load(text[4:end]) or {}
+    return isinstance(front, dict) and "kernelspec" in front
+
+
+def notebook_chapters() -> list[Path]:
+    """The chapters in `_toc.yml` that are notebooks, i.e. that have code to run."""
+    return [p for p in map(source_path, toc_files()) if is_notebook(p)]
+
+
+def stored_path(chapter: Path) -> Path:
+    """`book/X.md` -> `tests/notebooks/X.ipynb` (sub-folders of book/ are kept)."""
+    return (STORED_DIR / chapter.relative_to(BOOK_DIR)).with_suffix(".ipynb")
+
+
+def read_chapter(chapter: Path) -> nbformat.NotebookNode:
+    """The chapter as a notebook, exactly as jupytext (and so Jupyter) reads it."""
+    return jupytext.read(chapter)
+
+
+def code_cells(nb: nbformat.NotebookNode) -> list[tuple[str, list[str]]]:
+    """(source, tags) of every code cell: what the sync test compares."""
+    return [
+        (cell.source, list(cell.get("metadata", {}).get("tags", [])))
+        for cell in nb.cells
+        if cell.cell_type == "code"
+    ]
+
+
+def execute(nb: nbformat.NotebookNode, cwd: Path, timeout: int) -> nbformat.NotebookNode:
+    """Run every cell in a fresh `python3` kernel started in `cwd`; errors propagate."""
+    os.environ["PYTHONHASHSEED"] = HASH_SEED  # inherited by the kernel process
+    client = NotebookClient(
+        nb,
+        timeout=timeout,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(cwd)}},
+        record_timing=False,  # timestamps would make every re-baseline a diff
+        allow_errors=False,  # a cell tagged raises-exception may still raise
+    )
+    client.execute()
+    return nb
+
+
+def _clean_output(output: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    if "data" in output:
+        output["data"] = {
+            mime: value
+            for mime, value in output["data"].items()
+            if not mime.startswith(DROPPED_MIME_PREFIXES)
+        }
+        output["metadata"] = {}
+    output.pop("transient", None)
+    return output
+
+
+def stored_notebook(executed: nbformat.NotebookNode, chapter: Path) -> nbformat.NotebookNode:
+    """The executed notebook reduced to what nbval compares, with stable ids."""
+    stored = nbformat.v4.new_notebook()
+    stored.metadata = {
+        "kernelspec": executed.metadata.get("kernelspec", {"name": "python3"}),
+        "language_info": {"name": "python"},
+        METADATA_KEY: {
+            "chapter": chapter.relative_to(ROOT).as_posix(),
+            "generated_by": "make baseline (tools/baseline.py); do not edit by hand",
+        },
+    }
+    for index, cell in enumerate(c for c in executed.cells if c.cell_type == "code"):
+        if cell.execution_count is None:
+            # nbval never compares a cell without an execution count.
+            raise RuntimeError(f"{chapter}: code cell {index} was not executed")
+        new = nbformat.v4.new_code_cell(source=cell.source)
+        new.id = f"code-{index:03d}"
+        new.metadata = {k: v for k, v in cell.metadata.items() if k != "execution"}
+        new.execution_count = cell.execution_count
+        new.outputs = [_clean_output(o) for o in cell.outputs]
+        stored.cells.append(new)
+    nbformat.validate(stored)
+    return stored
+
+
+def baseline(chapter: Path, timeout: int = DEFAULT_TIMEOUT) -> Path:
+    """Execute one chapter and write its stored notebook; returns the path written."""
+    executed = execute(read_chapter(chapter), cwd=chapter.parent, timeout=timeout)
+    target = stored_path(chapter)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(".ipynb.tmp")
+    nbformat.write(stored_notebook(executed, chapter), tmp)
+    tmp.replace(target)  # never leave a half-written notebook behind
+    return target
+
+
+def orphans() -> list[Path]:
+    """Stored notebooks whose chapter is no longer a notebook listed in `_toc.yml`."""
+    expected = {stored_path(c) for c in notebook_chapters()}
+    return sorted(p for p in STORED_DIR.rglob("*.ipynb") if p not in expected)
+
+
+def _select(names: Sequence[str]) -> list[Path]:
+    chapters = notebook_chapters()
+    by_name = {c.stem: c for c in chapters} | {str(c.relative_to(ROOT)): c for c in chapters}
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        raise SystemExit(
+            f"baseline: unknown chapter(s) {', '.join(unknown)}; "
+            f"choose from: {', '.join(c.stem for c in chapters)}"
+        )
+    return [by_name[n] for n in names]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "chapters", nargs="*", help="chapter names (e.g. concept); default: every chapter"
+    )
+    parser.add_argument(
+        "--timeout", type=int, default=DEFAULT_TIMEOUT, help="seconds a cell may take"
+    )
+    args = parser.parse_args(argv)
+    if args.timeout <= 0:
+        parser.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
+
+    chapters = _select(args.chapters) if args.chapters else notebook_chapters()
+    for chapter in chapters:
+        start = time.perf_counter()
+        target = baseline(chapter, timeout=args.timeout)
+        print(f"{target.relative_to(ROOT)}  ({time.perf_counter() - start:.1f} s)")
+    if not args.chapters:
+        for stale in orphans():
+            stale.unlink()
+            print(f"removed {stale.relative_to(ROOT)} (its chapter is not in _toc.yml)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
