@@ -77,7 +77,8 @@ def sinusoidal_encoding(num_positions: int, d_model: int, base: float = 10000.0)
 
 
 class SinusoidalPositionalEncoding(nn.Module):
-    """Fixed sinusoids, stored as a buffer (saved with the model, never trained).
+    """Fixed sinusoids in a non-persistent buffer: never trained, moved with the
+    model (``.to(device)``), not saved in the state dict (they are recomputed).
 
     Shapes: positions (T,) int64 -> (T, D).
     """
@@ -212,7 +213,8 @@ class MultiHeadAttention(nn.Module):
 
     One linear map ``c_attn`` makes Q, K and V for all heads at once (D -> 3D);
     the heads attend independently; their outputs are concatenated and mixed
-    by ``c_proj``, the W^O of the paper, with shape (H d_v) x D.
+    by ``c_proj``, the W^O of the paper, with shape (H d_v) x D (``c_proj.weight``,
+    like every ``nn.Linear`` weight, stores its transpose).
 
     Args:
         d_model: D.
