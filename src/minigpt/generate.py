@@ -1,0 +1,219 @@
+"""Sampling text from a GPT, one token at a time.
+
+Each step crops the sequence to the model's context, reads the logits of the
+last position (B, V), reshapes that distribution (temperature, top-k, top-p)
+and draws the next token, which is appended. The three filters are public
+functions of their own so that the sampling chapter can show and plot each
+one; none of them modifies its input.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+_INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def _check_real(name: str, value: object) -> float:
+    # bool is an int subclass; True as a temperature is a bug, not 1.0.
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return float(value)
+
+
+def _check_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    return value
+
+
+def apply_temperature(logits: Tensor, temperature: float) -> Tensor:
+    """Divide the logits by the temperature tau > 0: softmax(z / tau).
+
+    tau = 1 leaves the distribution as it is, tau < 1 sharpens it (tau -> 0
+    tends to greedy), tau > 1 flattens it (tau -> infinity tends to uniform).
+    tau = 0 itself has no distribution: `generate` treats it as greedy.
+
+    Args:
+        logits: (..., V).
+        temperature: tau, a finite number > 0.
+
+    Returns:
+        A new tensor (..., V).
+    """
+    tau = _check_real("temperature", temperature)
+    if tau <= 0.0:
+        raise ValueError(
+            f"temperature must be > 0 to rescale logits, got {tau}; "
+            "generate() treats temperature=0 as greedy decoding"
+        )
+    return logits / tau
+
+
+def top_k_filter(logits: Tensor, k: int) -> Tensor:
+    """Keep the k largest logits of each row and set the others to -inf.
+
+    Ties with the k-th largest value are all kept, so a row may keep more than
+    k tokens when several share that value.
+
+    Args:
+        logits: (..., V).
+        k: how many tokens to keep, 1 <= k <= V.
+
+    Returns:
+        A new tensor (..., V), -inf outside the top k.
+    """
+    k = _check_int("top_k", k)
+    vocab_size = logits.shape[-1]
+    if not 1 <= k <= vocab_size:
+        raise ValueError(f"top_k must lie in [1, V] = [1, {vocab_size}], got {k}")
+    kth_largest = torch.topk(logits, k, dim=-1).values[..., -1:]  # (..., 1)
+    return logits.masked_fill(logits < kth_largest, float("-inf"))
+
+
+def top_p_filter(logits: Tensor, p: float) -> Tensor:
+    """Nucleus filter: keep the smallest set of most likely tokens whose mass reaches p.
+
+    Tokens are sorted by probability; a token is kept if the mass of the
+    tokens before it is still below p. The most likely token is therefore
+    always kept, and p = 1 keeps every token.
+
+    Args:
+        logits: (..., V).
+        p: the probability mass to keep, 0 < p <= 1.
+
+    Returns:
+        A new tensor (..., V), -inf outside the nucleus.
+    """
+    p = _check_real("top_p", p)
+    if not 0.0 < p <= 1.0:
+        raise ValueError(f"top_p must lie in (0, 1], got {p}")
+    if p == 1.0:
+        # Rounding in the cumulative sum could otherwise drop the least likely tokens.
+        return logits.clone()
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs  # mass of strictly more likely tokens
+    drop_sorted = mass_before >= p
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)  # back to vocab order
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def _prompt_tensor(prompt_ids: Tensor | Sequence[int] | Sequence[Sequence[int]],
+                   vocab_size: int) -> Tensor:
+    if isinstance(prompt_ids, Tensor):
+        ids = prompt_ids
+    elif isinstance(prompt_ids, Sequence) and not isinstance(prompt_ids, str | bytes):
+        if len(prompt_ids) == 0:
+            raise ValueError("prompt_ids is empty: give at least one token")
+        try:
+            ids = torch.tensor(prompt_ids)
+        except (TypeError, ValueError) as err:  # ragged rows, strings, ...
+            raise TypeError(
+                f"prompt_ids must be a list of ints or of equal-length lists of ints ({err})"
+            ) from None
+    else:
+        raise TypeError(
+            f"prompt_ids must be a tensor or a list of ints, got {type(prompt_ids).__name__}"
+        )
+    if ids.dtype not in _INTEGER_DTYPES:  # floats and bools are not token ids
+        raise TypeError(f"prompt_ids must hold integer token ids, got dtype {ids.dtype}")
+    if ids.dim() not in (1, 2):
+        raise ValueError(f"prompt_ids must have shape (T,) or (B, T), got {tuple(ids.shape)}")
+    if ids.numel() == 0:
+        raise ValueError(f"prompt_ids is empty (shape {tuple(ids.shape)}): give at least one token")
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise ValueError(f"token id {bad} in prompt_ids is out of range [0, {vocab_size})")
+    return ids
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    prompt_ids: Tensor | Sequence[int] | Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    greedy: bool = False,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Extend each prompt by ``max_new_tokens`` tokens drawn from the model.
+
+    Args:
+        model: a GPT (anything with ``.config.context_length``,
+            ``.config.vocab_size`` and ``model(ids (B, T)) -> logits (B, T, V)``).
+        prompt_ids: (T,) or (B, T) integer ids, or a list of ints (of lists).
+        max_new_tokens: N >= 0, how many tokens to append.
+        temperature: tau >= 0; 0 means greedy (exactly the argmax).
+        top_k: keep only the k most likely tokens, 1 <= k <= V (None: all).
+        top_p: keep the smallest nucleus of mass >= p, 0 < p <= 1 (None: all).
+        greedy: always take the most likely token (ignores the three above).
+        generator: the torch.Generator that ``torch.multinomial`` draws from,
+            for reproducible samples.
+
+    Returns:
+        A new tensor of the prompt's rank, (T + N,) or (B, T + N), on the
+        model's device. The prompt is not modified; the model is put in eval
+        mode for the call and given back in the mode it was in.
+    """
+    config: Any = getattr(model, "config", None)
+    if not isinstance(model, nn.Module) or config is None:
+        raise TypeError(f"model must be a GPT (an nn.Module with a .config), got "
+                        f"{type(model).__name__}")
+    ids = _prompt_tensor(prompt_ids, config.vocab_size)
+    max_new_tokens = _check_int("max_new_tokens", max_new_tokens)
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if not isinstance(greedy, bool):
+        raise TypeError(f"greedy must be a bool, got {type(greedy).__name__}")
+    tau = _check_real("temperature", temperature)
+    if tau < 0.0:
+        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {tau}")
+    if top_k is not None:
+        top_k = _check_int("top_k", top_k)
+        if not 1 <= top_k <= config.vocab_size:
+            raise ValueError(f"top_k must lie in [1, V] = [1, {config.vocab_size}], got {top_k}")
+    if top_p is not None:
+        top_p = _check_real("top_p", top_p)
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+
+    squeeze = ids.dim() == 1
+    device = next(model.parameters()).device
+    # A copy (copy=True) on the model's device: the caller's tensor is never written to.
+    seq = ids.to(device=device, dtype=torch.long, copy=True)  # (B, T)
+    if squeeze:
+        seq = seq.unsqueeze(0)
+    was_training = model.training
+    model.eval()
+    try:
+        for _ in range(max_new_tokens):
+            context = seq[:, -config.context_length:]  # (B, min(T, T_max))
+            logits = model(context)[:, -1, :].float()  # (B, V): scores for the next token
+            if greedy or tau == 0.0:
+                next_id = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+            else:
+                logits = apply_temperature(logits, tau)
+                if top_k is not None:
+                    logits = top_k_filter(logits, top_k)
+                if top_p is not None:
+                    logits = top_p_filter(logits, top_p)
+                probs = torch.softmax(logits, dim=-1)
+                next_id = torch.multinomial(probs, num_samples=1, generator=generator)
+            seq = torch.cat([seq, next_id], dim=1)
+    finally:
+        model.train(was_training)
+    return seq[0] if squeeze else seq

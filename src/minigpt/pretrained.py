@@ -1,0 +1,302 @@
+"""The book's small trained model: trained once by `minigpt.train`, cached on disk, verified.
+
+Several chapters look inside a *trained* GPT (its attention maps, its positional embeddings,
+its samples). `book_model()` gives them the same one: a character-level GPT trained on the
+book's corpus (`minigpt.data.shakespeare_text()`) by `minigpt.train.train`, seeded, with a
+fixed number of threads, so that every build on a machine yields the same weights.
+
+The first call trains it (a few minutes on a 2-core CPU) and stores it under
+`<cache>/models/<key>/` (the cache root is `minigpt.assets.cache_dir()`):
+
+    model.pt        the weights (a state dict: tensors only)
+    manifest.json   the key, everything the key was hashed from, the sha256 of model.pt,
+                    and what training measured (losses, times)
+
+The key is a hash of everything that determines the weights: the model configuration, the
+training settings (seed included), the corpus's sha256, the tokenizer, the split, the thread
+count, the PyTorch version and `RECIPE_VERSION`. Later calls load the cache in seconds, with
+`torch.load(weights_only=True)`, after checking it: a manifest that is unreadable or describes
+another recipe, a weights file whose hash differs from the manifest's or that does not load
+into the model, is reported (a `RuntimeWarning` and a log line) and the model is rebuilt;
+a damaged cache is never used. Files are written atomically (temporary file, then rename),
+the manifest last, so an interrupted build leaves no cache that looks complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import io
+import json
+import logging
+import shutil
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from minigpt.assets import atomic_write, cache_dir, sha256_file
+from minigpt.config import GPTConfig
+from minigpt.data import shakespeare_text, split_text
+from minigpt.model import GPT
+from minigpt.tokenizer import CharTokenizer
+from minigpt.train import TrainConfig, train
+
+log = logging.getLogger(__name__)
+
+#: Bump when the way the model is made changes in a way the key does not see (e.g. a change
+#: of `train`'s loop); every cached model is then rebuilt.
+RECIPE_VERSION = 1
+WEIGHTS_NAME = "model.pt"
+MANIFEST_NAME = "manifest.json"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How the book's model is made: its shape, its training run, its data split, its threads.
+
+    The vocabulary size is not part of the recipe: it is the number of distinct characters
+    of the corpus.
+    """
+
+    n_layers: int = 4
+    n_heads: int = 4
+    d_model: int = 128
+    context_length: int = 64
+    training: TrainConfig = field(default_factory=lambda: TrainConfig(
+        batch_size=12, max_steps=2000, lr=1e-3, min_lr=1e-4, warmup_steps=100,
+        eval_interval=500, eval_steps=20, seed=1337))
+    train_fraction: float = 0.9
+    # CPU reductions may split work differently for another thread count; fixing it keeps
+    # the weights bit-identical from run to run. One thread: this model is too small to gain
+    # much from two, and on a busy shared machine two threads can be several times slower.
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.training, TrainConfig):
+            raise TypeError(f"training must be a TrainConfig, got {type(self.training).__name__}")
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
+            raise ValueError(f"threads must be an integer >= 1, got {self.threads!r}")
+        if not 0.0 < self.train_fraction < 1.0:
+            raise ValueError(f"train_fraction must lie strictly between 0 and 1, "
+                             f"got {self.train_fraction}")
+        self.gpt_config(vocab_size=2)  # a bad shape fails here, not after loading the corpus
+
+    def gpt_config(self, vocab_size: int) -> GPTConfig:
+        """The model's `GPTConfig` for a vocabulary of `vocab_size` tokens."""
+        return GPTConfig.shakespeare_cpu(
+            vocab_size, n_layers=self.n_layers, n_heads=self.n_heads, d_model=self.d_model,
+            context_length=self.context_length)
+
+
+BOOK_RECIPE = Recipe()
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What `book_model` returns besides the model and the tokenizer.
+
+    Attributes:
+        key: the cache key (hex).
+        path: the cache folder, `<cache>/models/<key>/`.
+        built: True if this call trained the model, False if it loaded it.
+        load_seconds: wall time of this call's loading (or building) step.
+        manifest: the manifest: recipe, metrics (final losses, train_seconds, ...) and the
+            training history (per-step loss, evaluations).
+    """
+
+    key: str
+    path: Path
+    built: bool
+    load_seconds: float
+    manifest: dict[str, Any]
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        metrics: dict[str, Any] = self.manifest["metrics"]
+        return metrics
+
+
+class CacheError(RuntimeError):
+    """A cached model that must not be used (corrupted or made by another recipe)."""
+
+
+def corpus() -> str:
+    """The text the book's model is trained on (a seam for tests, which pass a tiny text)."""
+    return shakespeare_text()
+
+
+def key_material(recipe: Recipe, text: str) -> dict[str, Any]:
+    """Everything that determines the trained weights, as plain JSON-able data."""
+    tokenizer = CharTokenizer.from_text(text)
+    return {
+        "recipe_version": RECIPE_VERSION,
+        "model_config": recipe.gpt_config(tokenizer.vocab_size).model_dump(),
+        "train_config": recipe.training.model_dump(),
+        "train_fraction": recipe.train_fraction,
+        "threads": recipe.threads,
+        "corpus_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
+        "tokenizer": tokenizer.to_dict(),
+        "torch": torch.__version__,
+    }
+
+
+def cache_key(material: dict[str, Any]) -> str:
+    """sha256 of the canonical JSON of `key_material` (sorted keys, no spaces)."""
+    canonical = json.dumps(material, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+# ------------------------------------------------------------------------------ loading
+
+def _load(folder: Path, key: str, material: dict[str, Any]) -> tuple[GPT, dict[str, Any]]:
+    """The verified cached model and its manifest; `CacheError` says what is wrong."""
+    manifest_path, weights_path = folder / MANIFEST_NAME, folder / WEIGHTS_NAME
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CacheError(f"its manifest is unreadable ({type(err).__name__}: {err})") from None
+    if not isinstance(manifest, dict):
+        raise CacheError("its manifest is not a JSON object")
+    if manifest.get("key") != key or manifest.get("key_material") != material:
+        raise CacheError("its manifest describes a different recipe, corpus or configuration "
+                         f"(key {str(manifest.get('key'))[:12]}..., expected {key[:12]}...)")
+    if not weights_path.is_file():
+        raise CacheError(f"{WEIGHTS_NAME} is missing")
+    actual = sha256_file(weights_path)
+    if actual != manifest.get("weights_sha256"):
+        raise CacheError(f"{WEIGHTS_NAME} is corrupted: sha256 {actual[:12]}... differs from "
+                         f"the manifest's {str(manifest.get('weights_sha256'))[:12]}...")
+    try:
+        state = torch.load(weights_path, map_location="cpu", weights_only=True)
+    except Exception as err:  # torch raises many types for a damaged or foreign file
+        raise CacheError(f"{WEIGHTS_NAME} is unreadable ({type(err).__name__})") from None
+    model = GPT(GPTConfig(**material["model_config"]))
+    try:
+        model.load_state_dict(state, strict=True)
+    except (RuntimeError, TypeError, AttributeError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CacheError(f"{WEIGHTS_NAME} does not fit the configuration ({first})") from None
+    return model.eval(), manifest
+
+
+# ----------------------------------------------------------------------------- building
+
+@contextlib.contextmanager
+def _threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on `path`, so that two processes never train the same model at once."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _build(folder: Path, key: str, material: dict[str, Any], recipe: Recipe, text: str,
+           progress: bool, say: Callable[[str], None]) -> tuple[GPT, dict[str, Any]]:
+    """Train the model with `minigpt.train.train` and write it (weights, then manifest)."""
+    tokenizer = CharTokenizer.from_text(text)
+    train_text, val_text = split_text(text, recipe.train_fraction)
+    train_ids = np.asarray(tokenizer.encode_ordinary(train_text), dtype=np.uint16)
+    val_ids = np.asarray(tokenizer.encode_ordinary(val_text), dtype=np.uint16)
+    config = recipe.gpt_config(tokenizer.vocab_size)
+    say(f"training the book's model once ({config.n_layers} layers, {config.n_heads} heads, "
+        f"D={config.d_model}, {recipe.training.max_steps} steps); it is cached in {folder}")
+    with _threads(recipe.threads):
+        result = train(config, recipe.training, train_ids, val_ids, tokenizer=tokenizer,
+                       progress=progress, log=say if progress else None)
+    model = result.model.to("cpu").eval()
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    weights = buffer.getvalue()
+    manifest = {
+        "key": key,
+        "key_material": material,
+        "weights_file": WEIGHTS_NAME,
+        "weights_sha256": hashlib.sha256(weights).hexdigest(),
+        "metrics": result.metrics,
+        "history": asdict(result.history),
+    }
+    if folder.exists():
+        shutil.rmtree(folder)  # whatever was there was found unusable
+    atomic_write(folder / WEIGHTS_NAME, weights)
+    # The manifest goes last: its presence (with a matching hash) marks a complete cache.
+    atomic_write(folder / MANIFEST_NAME, (json.dumps(manifest, indent=1) + "\n").encode())
+    return model, manifest
+
+
+def _stderr(message: str) -> None:
+    # tqdm.write prints above an active progress bar instead of through it.
+    tqdm.write(f"minigpt.pretrained: {message}", file=sys.stderr)
+
+
+def load_or_build(recipe: Recipe, text: str, *, progress: bool = True,
+                  cache: Path | None = None) -> tuple[GPT, CharTokenizer, ModelInfo]:
+    """The model `recipe` trains on `text`: loaded from the cache if it is there and intact,
+    trained (and cached) otherwise. See `book_model`."""
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a Recipe, got {type(recipe).__name__}")
+    if not isinstance(text, str) or len(text) < 2:
+        raise ValueError("text must be a string of at least two characters")
+    start = time.perf_counter()
+    material = key_material(recipe, text)
+    key = cache_key(material)
+    models = (cache_dir() if cache is None else cache) / "models"
+    folder = models / key[:20]
+    tokenizer = CharTokenizer.from_text(text)
+    say: Callable[[str], None] = _stderr if progress else log.info
+    # Loading builds a GPT (random initial weights) and training seeds torch: fork the
+    # generator so that the caller's random state is the same whichever path is taken.
+    with torch.random.fork_rng(devices=[]), _locked(models / f".{key[:20]}.lock"):
+        built = False
+        try:
+            if not folder.exists():
+                raise FileNotFoundError(folder)
+            model, manifest = _load(folder, key, material)
+        except FileNotFoundError:
+            model, manifest = _build(folder, key, material, recipe, text, progress, say)
+            built = True
+        except CacheError as why:
+            message = f"the cached model in {folder} is not used: {why}; rebuilding it"
+            log.warning(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+            model, manifest = _build(folder, key, material, recipe, text, progress, say)
+            built = True
+    info = ModelInfo(key=key, path=folder, built=built,
+                     load_seconds=time.perf_counter() - start, manifest=manifest)
+    return model, tokenizer, info
+
+
+def book_model(*, progress: bool = True,
+               recipe: Recipe = BOOK_RECIPE) -> tuple[GPT, CharTokenizer, ModelInfo]:
+    """The book's trained character-level GPT, its tokenizer, and a `ModelInfo`.
+
+    The first call on a machine trains it on `shakespeare_text()` with `BOOK_RECIPE` (a few
+    minutes on a 2-core CPU; `progress` shows a progress bar and the evaluations on stderr)
+    and caches it; later calls load and verify the cache in seconds. The model is returned
+    in eval mode on the CPU.
+    """
+    start = time.perf_counter()
+    model, tokenizer, info = load_or_build(recipe, corpus(), progress=progress)
+    # Count reading the corpus too: it is part of what a second call costs.
+    return model, tokenizer, replace(info, load_seconds=time.perf_counter() - start)

@@ -1,0 +1,109 @@
+"""Sampling from a trained checkpoint: `load_model` for Python, `main` for the CLI.
+
+    python -m minigpt sample --checkpoint runs/char --prompt "ROMEO:" --max-new-tokens 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from pydantic import ValidationError
+
+from minigpt.config import GPTConfig
+from minigpt.generate import generate
+from minigpt.model import GPT
+from minigpt.tokenizer import Tokenizer, tokenizer_from_dict
+from minigpt.train import load_checkpoint
+
+
+class LoadedModel(NamedTuple):
+    """A trained model (in eval mode), the tokenizer it was trained with, and its step."""
+
+    model: GPT
+    tokenizer: Tokenizer
+    step: int
+
+
+def load_model(checkpoint: Path | str, *, device: str | torch.device = "cpu") -> LoadedModel:
+    """Rebuild the model and tokenizer saved by `minigpt.train` in ``checkpoint``
+    (a directory holding ``checkpoint.pt``, or the file itself).
+
+    Raises FileNotFoundError when there is no checkpoint and ValueError when the file is
+    not a readable minigpt checkpoint or was saved without a tokenizer.
+    """
+    ckpt = load_checkpoint(checkpoint, map_location=device)
+    if ckpt["tokenizer"] is None:
+        raise ValueError(f"the checkpoint in {checkpoint} has no tokenizer; it was trained "
+                         "without one (train(..., tokenizer=...)), so its ids cannot be decoded")
+    try:
+        model = GPT(GPTConfig(**ckpt["model_config"]))
+        model.load_state_dict(ckpt["model"])
+        tokenizer = tokenizer_from_dict(ckpt["tokenizer"])
+    except (ValidationError, RuntimeError, KeyError, TypeError) as err:
+        raise ValueError(f"the checkpoint in {checkpoint} is inconsistent: {err}") from None
+    return LoadedModel(model.to(device).eval(), tokenizer, int(ckpt["step"]))
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m minigpt sample",
+                                description="Continue a prompt with a trained checkpoint.")
+    p.add_argument("--checkpoint", required=True, metavar="DIR",
+                   help="the --out directory of `python -m minigpt train`")
+    p.add_argument("--prompt", default="\n",
+                   help="text to continue (default: a newline)")
+    p.add_argument("--max-new-tokens", type=int, default=500, metavar="N")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="> 0 rescales the logits; 0 is greedy (default 1.0)")
+    p.add_argument("--top-k", type=int, default=None, metavar="K",
+                   help="sample among the K most likely tokens only")
+    p.add_argument("--top-p", type=float, default=None, metavar="P",
+                   help="sample from the smallest set of tokens with mass >= P")
+    p.add_argument("--greedy", action="store_true", help="always take the most likely token")
+    p.add_argument("--seed", type=int, default=1337, help="seed of the sampler (default 1337)")
+    p.add_argument("--num-samples", type=int, default=1, metavar="S",
+                   help="independent continuations to print (default 1)")
+    p.add_argument("--device", default="cpu")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m minigpt sample ...`: returns the exit status (0 ok, 1 error, 2 usage)."""
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as exit_:
+        return int(exit_.code) if isinstance(exit_.code, int) else 2
+    try:
+        if args.num_samples < 1:
+            raise ValueError(f"--num-samples must be >= 1, got {args.num_samples}")
+        if args.seed < 0:
+            raise ValueError(f"--seed must be >= 0, got {args.seed}")
+        try:
+            torch.device(args.device)
+        except RuntimeError:
+            raise ValueError(f"--device {args.device!r} is not a torch device "
+                             "(e.g. cpu, cuda, cuda:1)") from None
+        if not args.prompt:
+            raise ValueError("--prompt is empty: give at least one character to continue")
+        model, tokenizer, _ = load_model(args.checkpoint, device=args.device)
+        try:
+            ids = tokenizer.encode(args.prompt)
+        except ValueError as err:
+            raise ValueError(f"--prompt cannot be encoded by the {tokenizer.name} tokenizer "
+                             f"of this checkpoint: {err}") from None
+        gen = torch.Generator(device=args.device).manual_seed(args.seed)
+        prompt = torch.tensor([ids] * args.num_samples, dtype=torch.long)
+        out = generate(model, prompt, args.max_new_tokens, temperature=args.temperature,
+                       top_k=args.top_k, top_p=args.top_p, greedy=args.greedy, generator=gen)
+    except (OSError, ValueError, TypeError) as err:
+        print(f"minigpt sample: error: {err}", file=sys.stderr)
+        return 1
+    for k, row in enumerate(out.tolist()):
+        if k:
+            print("-" * 40)
+        print(tokenizer.decode(row))
+    return 0

@@ -1,0 +1,654 @@
+"""Training a GPT: optimiser groups, learning-rate schedule, the loop, checkpoints, a CLI.
+
+The loop is nanoGPT's in substance: AdamW with weight decay on the matrices only, a
+linear warm-up then a cosine decay to a floor, gradient clipping, optional gradient
+accumulation and bf16 autocast, a periodic estimate of the train and validation loss, and
+checkpoints that hold everything needed to continue the very same run (weights, optimiser
+moments, the configurations, the tokenizer and the random-number generators).
+
+    result = train(GPTConfig.shakespeare_cpu(65), TrainConfig(max_steps=500), train_ids, val_ids)
+    result.model, result.history.val_loss
+
+`python -m minigpt train --text input.txt --tokenizer char --out runs/char` does the same
+from the command line and writes `metrics.json` and `checkpoint.pt` into `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pickle
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from minigpt.config import GPTConfig
+from minigpt.data import get_batch
+from minigpt.model import GPT
+from minigpt.tokenizer import Tokenizer, tokenizer_from_dict
+
+CHECKPOINT_NAME = "checkpoint.pt"
+METRICS_NAME = "metrics.json"
+CHECKPOINT_FORMAT = 1
+
+
+class TrainConfig(BaseModel):
+    """Every setting of a training run except the model's shape (that is a `GPTConfig`).
+
+    The defaults are nanoGPT's CPU recipe for character-level Shakespeare.
+
+    Attributes:
+        batch_size: B, sequences per micro-batch.
+        grad_accum: micro-batches whose gradients add up to one optimiser step; a step
+            sees B * grad_accum sequences.
+        max_steps: optimiser steps of the whole run.
+        lr: peak learning rate, reached at the end of the warm-up.
+        min_lr: the floor the cosine decays to (0 <= min_lr <= lr).
+        warmup_steps: steps of linear warm-up from lr / warmup_steps to lr.
+        decay_steps: the step at which the cosine reaches min_lr (default: max_steps).
+        weight_decay: AdamW's decoupled weight decay, applied to matrices only.
+        beta1, beta2: AdamW's moment decay rates, in [0, 1).
+        grad_clip: largest global gradient norm; 0 turns clipping off.
+        eval_interval: evaluate (and checkpoint) every this many steps, and at the end.
+        eval_steps: batches per split in each evaluation.
+        seed: seeds the initial weights, the batches and dropout.
+        bf16: run forward passes under bf16 autocast.
+        device: "cpu", "cuda", "cuda:1", ...
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    batch_size: int = Field(default=12, ge=1)
+    grad_accum: int = Field(default=1, ge=1)
+    max_steps: int = Field(default=2000, ge=0)
+    lr: float = Field(default=1e-3, gt=0.0)
+    min_lr: float = Field(default=1e-4, ge=0.0)
+    warmup_steps: int = Field(default=100, ge=0)
+    decay_steps: int | None = Field(default=None, ge=0)
+    weight_decay: float = Field(default=0.1, ge=0.0)
+    beta1: float = Field(default=0.9, ge=0.0, lt=1.0)
+    beta2: float = Field(default=0.99, ge=0.0, lt=1.0)
+    grad_clip: float = Field(default=1.0, ge=0.0)
+    eval_interval: int = Field(default=250, ge=1)
+    eval_steps: int = Field(default=20, ge=1)
+    seed: int = Field(default=1337, ge=0)
+    bf16: bool = False
+    device: str = "cpu"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_decay_steps(cls, data: Any) -> Any:
+        # Resolved once, here, so that a checkpoint keeps the schedule it was trained with
+        # even if a resumed run is given more steps.
+        if isinstance(data, dict) and data.get("decay_steps") is None:
+            max_steps = data.get("max_steps", cls.model_fields["max_steps"].default)
+            data = dict(data) | {"decay_steps": max_steps}
+        return data
+
+    @model_validator(mode="after")
+    def _check_relations(self) -> TrainConfig:
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr (={self.min_lr}) must not exceed lr (={self.lr})")
+        assert self.decay_steps is not None
+        if self.decay_steps < self.warmup_steps:
+            raise ValueError(
+                f"decay_steps (={self.decay_steps}) must be >= warmup_steps "
+                f"(={self.warmup_steps}): the cosine decay starts after the warm-up"
+            )
+        try:
+            device = torch.device(self.device)
+        except RuntimeError:
+            raise ValueError(f"device {self.device!r} is not a torch device "
+                             "(e.g. 'cpu', 'cuda', 'cuda:1')") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r}: CUDA is not available on this machine")
+        return self
+
+
+# ------------------------------------------------------------------ optimiser and schedule
+
+
+def configure_optimizer(model: nn.Module, *, lr: float, weight_decay: float,
+                        betas: tuple[float, float] = (0.9, 0.99)) -> torch.optim.AdamW:
+    """AdamW with two parameter groups: decay for tensors of dim >= 2, none for the rest.
+
+    Matrices (linear weights, embeddings) are decayed; biases and layer-norm gains are
+    not, since shrinking a gain or an offset towards 0 is no regulariser of the function's
+    complexity. Tied weights appear once (``model.parameters()`` de-duplicates them). The
+    fused kernel (one pass over all tensors) is used; PyTorch has it on CPU and CUDA.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=True)
+
+
+def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, decay_steps: int) -> float:
+    """The learning rate of optimiser step ``step`` (counted from 0).
+
+    * warm-up, step < warmup_steps: linear, lr * (step + 1) / warmup_steps, so the first
+      step already moves and step warmup_steps - 1 uses the full lr;
+    * decay, warmup_steps <= step <= decay_steps: cosine from lr down to min_lr,
+      min_lr + (lr - min_lr) * (1 + cos(pi * r)) / 2 with r = (step - warmup_steps) /
+      (decay_steps - warmup_steps);
+    * after decay_steps: min_lr.
+    """
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    if step >= decay_steps:
+        return min_lr
+    ratio = (step - warmup_steps) / (decay_steps - warmup_steps)
+    return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * ratio))
+
+
+# ---------------------------------------------------------------------------- the loop
+
+
+def _autocast(device: torch.device, bf16: bool) -> Any:
+    return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
+
+
+def lm_loss(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+    """Mean next-token cross-entropy: x, y (B, T) -> scalar. Logits (B, T, V) -> (B T, V)."""
+    logits = model(x)
+    return F.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1))
+
+
+@torch.no_grad()
+def estimate_loss(model: nn.Module, splits: dict[str, np.ndarray], *, batch_size: int,
+                  context_length: int, eval_steps: int, seed: int = 0, bf16: bool = False,
+                  ) -> dict[str, float]:
+    """Mean loss over ``eval_steps`` batches of each split, in eval mode (no dropout).
+
+    The batches come from a generator seeded with ``seed`` at every call, so successive
+    evaluations of a run score the model on the same windows (their differences are the
+    model's, not the sampling's) and evaluating never disturbs the training batches.
+    """
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    out = {}
+    for name, data in splits.items():
+        gen = torch.Generator().manual_seed(seed)
+        total = torch.zeros((), device=device)
+        for _ in range(eval_steps):
+            x, y = get_batch(data, batch_size, context_length, generator=gen, device=device)
+            with _autocast(device, bf16):
+                total += lm_loss(model, x, y).float()
+        out[name] = total.item() / eval_steps
+    model.train(was_training)
+    return out
+
+
+@dataclass
+class History:
+    """What a run measured. ``step[i]`` has ``loss[i]`` (its batch's loss), ``lr[i]``
+    and ``step_ms[i]`` (wall time of the step: batches, forward, backward, update; not
+    evaluations); evaluations at ``eval_step[j]`` gave ``train_loss[j]`` and
+    ``val_loss[j]`` (``eval_step`` counts steps done, so 0 is the untrained model)."""
+
+    step: list[int] = field(default_factory=list)
+    loss: list[float] = field(default_factory=list)
+    lr: list[float] = field(default_factory=list)
+    step_ms: list[float] = field(default_factory=list)
+    eval_step: list[int] = field(default_factory=list)
+    train_loss: list[float] = field(default_factory=list)
+    val_loss: list[float] = field(default_factory=list)
+
+
+@dataclass
+class TrainResult:
+    model: GPT
+    history: History
+    metrics: dict[str, Any]
+
+
+def _rng_state(batch_gen: torch.Generator) -> dict[str, Tensor]:
+    state = {"batches": batch_gen.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def save_checkpoint(path: Path | str, model: GPT, optimizer: torch.optim.Optimizer,
+                    train_config: TrainConfig, *, step: int, history: History,
+                    batch_gen: torch.Generator, tokenizer: Tokenizer | None = None) -> Path:
+    """Write everything a resumed run needs, atomically: a temporary file in the same
+    directory, then ``os.replace``, so a crash mid-write never leaves a torn checkpoint.
+
+    Only tensors and plain containers are stored (configurations as dicts), so that
+    `load_checkpoint` can use ``torch.load(weights_only=True)``, which executes no code.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "format": CHECKPOINT_FORMAT,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "model_config": model.config.model_dump(),
+        "train_config": train_config.model_dump(),
+        "tokenizer": None if tokenizer is None else tokenizer.to_dict(),
+        "step": step,
+        "rng": _rng_state(batch_gen),
+        "history": asdict(history),
+    }
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; give a normal file's mode
+        with os.fdopen(fd, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load_checkpoint(path: Path | str, *, map_location: str | torch.device = "cpu",
+                    ) -> dict[str, Any]:
+    """Read a checkpoint written by `save_checkpoint` (a file, or a directory holding
+    ``checkpoint.pt``) with ``torch.load(weights_only=True)``. Raises FileNotFoundError
+    or ValueError with the reason when it is missing, unreadable or not ours."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / CHECKPOINT_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError:
+        raise ValueError(f"{path} is not a readable checkpoint: not a torch file, or one "
+                         "holding objects that safe (weights_only) loading refuses") from None
+    except Exception as err:  # torch raises several types for a damaged file
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ValueError(f"{path} is not a readable checkpoint (damaged or truncated? "
+                         f"{reason})") from None
+    expected = {"format", "model", "optimizer", "model_config", "train_config", "step", "rng",
+                "history", "tokenizer"}
+    if not isinstance(ckpt, dict) or not expected <= set(ckpt):
+        raise ValueError(f"{path} is not a minigpt checkpoint (missing entries)")
+    if ckpt["format"] != CHECKPOINT_FORMAT:
+        raise ValueError(f"{path} has checkpoint format {ckpt['format']!r}; this version of "
+                         f"minigpt reads format {CHECKPOINT_FORMAT}")
+    return ckpt
+
+
+def train(
+    model: GPT | GPTConfig,
+    config: TrainConfig,
+    train_data: np.ndarray,
+    val_data: np.ndarray,
+    *,
+    tokenizer: Tokenizer | None = None,
+    out_dir: Path | str | None = None,
+    resume: bool = False,
+    stop_at: int | None = None,
+    progress: bool = True,
+    log: Callable[[str], None] | None = None,
+) -> TrainResult:
+    """Train a GPT on token ids and return it with its history and summary metrics.
+
+    Args:
+        model: a `GPT` to train further, or a `GPTConfig` to build one from (its initial
+            weights are then seeded by ``config.seed``).
+        config: the run's `TrainConfig`.
+        train_data, val_data: (N,) token ids, e.g. `minigpt.data.load_ids` memmaps.
+        tokenizer: stored in checkpoints so that sampling can decode.
+        out_dir: where ``checkpoint.pt`` goes, after every evaluation and at the end
+            (None: no checkpoints).
+        resume: continue the run saved in ``out_dir``: the checkpoint's model, optimiser,
+            step, history and random generators are restored, and the run goes on to
+            ``config.max_steps`` with the checkpoint's schedule (``model`` must then be the
+            `GPTConfig` stored there or a model of that configuration, which is reloaded).
+        stop_at: stop after this many steps (and checkpoint), as if interrupted; the
+            schedule is still that of ``config.max_steps``, so ``resume`` continues it.
+        progress: show a tqdm progress bar.
+        log: called with a line of text after every evaluation (e.g. ``print``).
+
+    Returns:
+        `TrainResult` with the trained model, the `History`, and ``metrics``:
+        final_train_loss, final_val_loss, median_step_ms, tokens_per_second, steps,
+        train_seconds (sum of step times), total_seconds (wall time of this call, incl.
+        evaluation). It seeds torch's global generator (used by dropout) with ``config.seed``.
+    """
+    if not isinstance(config, TrainConfig):
+        raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
+    if resume and out_dir is None:
+        raise ValueError("resume=True needs out_dir, the directory holding checkpoint.pt")
+    if stop_at is not None and (isinstance(stop_at, bool) or not isinstance(stop_at, int)
+                                or stop_at < 0):
+        raise ValueError(f"stop_at must be a non-negative int or None, got {stop_at!r}")
+    device = torch.device(config.device)
+    ckpt = load_checkpoint(Path(out_dir), map_location=device) if resume and out_dir else None
+
+    if isinstance(model, GPTConfig):
+        torch.manual_seed(config.seed)  # the initial weights
+        model = GPT(model)
+    elif not isinstance(model, GPT):
+        raise TypeError(f"model must be a GPT or a GPTConfig, got {type(model).__name__}")
+    model_config = model.config
+    for name, data in (("train_data", train_data), ("val_data", val_data)):
+        if len(data) <= model_config.context_length:
+            raise ValueError(f"{name} has {len(data)} tokens; it needs more than "
+                             f"context_length={model_config.context_length}")
+    model.to(device)
+    optimizer = configure_optimizer(model, lr=config.lr, weight_decay=config.weight_decay,
+                                    betas=(config.beta1, config.beta2))
+    batch_gen = torch.Generator().manual_seed(config.seed)
+    torch.manual_seed(config.seed)  # dropout
+    history = History()
+    start = 0
+    if ckpt is not None:
+        if ckpt["model_config"] != model_config.model_dump():
+            raise ValueError("the model's configuration differs from the checkpoint's; "
+                             "resume with the checkpoint's GPTConfig")
+        saved = TrainConfig(**ckpt["train_config"])
+        if saved.model_dump(exclude={"max_steps"}) != config.model_dump(exclude={"max_steps"}):
+            raise ValueError("resume=True continues the saved run: only max_steps may differ "
+                             "from the checkpoint's TrainConfig")
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        batch_gen.set_state(ckpt["rng"]["batches"])
+        torch.set_rng_state(ckpt["rng"]["torch"])
+        if "cuda" in ckpt["rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
+        history = History(**ckpt["history"])
+        start = int(ckpt["step"])
+        if tokenizer is None and ckpt["tokenizer"] is not None:
+            tokenizer = tokenizer_from_dict(ckpt["tokenizer"])
+    resumed, ckpt = ckpt is not None, None  # free the loaded tensors
+
+    end = config.max_steps if stop_at is None else min(stop_at, config.max_steps)
+    if start > end:
+        raise ValueError(f"the checkpoint is at step {start}, past the requested end {end}")
+    ckpt_path = None if out_dir is None else Path(out_dir) / CHECKPOINT_NAME
+    splits = {"train": train_data, "val": val_data}
+    B, T, accum = config.batch_size, model_config.context_length, config.grad_accum
+    decay_steps = config.decay_steps if config.decay_steps is not None else config.max_steps
+
+    saved_at = start if resumed else -1
+
+    def save(step: int) -> None:
+        nonlocal saved_at
+        if ckpt_path is not None and step != saved_at:
+            save_checkpoint(ckpt_path, model, optimizer, config, step=step, history=history,
+                            batch_gen=batch_gen, tokenizer=tokenizer)
+            saved_at = step
+
+    model.train()
+    wall0 = time.perf_counter()
+    bar = tqdm(total=end, initial=start, disable=not progress, unit="step", dynamic_ncols=True)
+    postfix: dict[str, str] = {}
+    step = start
+    while True:
+        # Evaluate at multiples of eval_interval and at the very end (a resumed run has
+        # already evaluated its first step before it was saved).
+        if (step % config.eval_interval == 0 or step == config.max_steps) and not (
+                resumed and step == start):
+            losses = estimate_loss(model, splits, batch_size=B, context_length=T,
+                                   eval_steps=config.eval_steps, seed=config.seed + 1,
+                                   bf16=config.bf16)
+            history.eval_step.append(step)
+            history.train_loss.append(losses["train"])
+            history.val_loss.append(losses["val"])
+            postfix["val"] = f"{losses['val']:.4f}"
+            bar.set_postfix(postfix)
+            if log is not None:
+                log(f"step {step}: train loss {losses['train']:.4f}, "
+                    f"val loss {losses['val']:.4f}")
+            if step > start:
+                save(step)
+        if step >= end:
+            break
+
+        lr = lr_at(step, lr=config.lr, min_lr=config.min_lr, warmup_steps=config.warmup_steps,
+                   decay_steps=decay_steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        t0 = time.perf_counter()
+        loss_sum = torch.zeros((), device=device)
+        for _ in range(accum):
+            x, y = get_batch(train_data, B, T, generator=batch_gen, device=device)
+            with _autocast(device, config.bf16):
+                loss = lm_loss(model, x, y)
+            # The step's gradient is the mean over all accum * B sequences, so each
+            # micro-batch's mean loss enters with weight 1 / accum.
+            (loss / accum).backward()  # type: ignore[no-untyped-call]
+            loss_sum += loss.detach().float()
+        if config.grad_clip > 0.0:
+            nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss_value = loss_sum.item() / accum  # .item() waits for the step to finish
+        step_ms = (time.perf_counter() - t0) * 1000.0
+        history.step.append(step)
+        history.loss.append(loss_value)
+        history.lr.append(lr)
+        history.step_ms.append(step_ms)
+        step += 1
+        postfix["loss"] = f"{loss_value:.4f}"
+        bar.set_postfix(postfix, refresh=False)
+        bar.update(1)
+    bar.close()
+    total_seconds = time.perf_counter() - wall0
+    save(step)
+    return TrainResult(model, history, _metrics(history, config, model, total_seconds))
+
+
+def _metrics(history: History, config: TrainConfig, model: GPT,
+             total_seconds: float) -> dict[str, Any]:
+    tokens_per_step = config.batch_size * config.grad_accum * model.config.context_length
+    train_seconds = sum(history.step_ms) / 1000.0
+    return {
+        "final_train_loss": history.train_loss[-1] if history.train_loss else None,
+        "final_val_loss": history.val_loss[-1] if history.val_loss else None,
+        "final_eval_step": history.eval_step[-1] if history.eval_step else None,
+        "median_step_ms": statistics.median(history.step_ms) if history.step_ms else None,
+        "tokens_per_second": (len(history.step_ms) * tokens_per_step / train_seconds
+                              if train_seconds > 0 else None),
+        "steps": history.step[-1] + 1 if history.step else 0,
+        "train_seconds": train_seconds,
+        "total_seconds": total_seconds,
+        "num_parameters": model.num_parameters(),
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+# ---------------------------------------------------------------------------- the CLI
+
+# Flags that shape the model (-> GPTConfig) and the run (-> TrainConfig); each flag is the
+# field's name with dashes, so an error about a field names the flag to fix.
+_MODEL_FLAGS = ("n_layers", "n_heads", "d_model", "d_ff", "context_length", "dropout", "bias")
+_TRAIN_FLAGS = tuple(TrainConfig.model_fields)
+_RESUMABLE = {"max_steps", "stop_at", "no_progress", "threads", "out", "resume"}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _parser() -> argparse.ArgumentParser:
+    preset = GPTConfig.shakespeare_cpu(vocab_size=65)
+    d = TrainConfig()
+    p = argparse.ArgumentParser(
+        prog="python -m minigpt train",
+        description="Train a GPT on a text file. The defaults are nanoGPT's CPU recipe for "
+                    "character-level Shakespeare.",
+        argument_default=argparse.SUPPRESS,  # only the flags given appear in the namespace
+    )
+    data = p.add_argument_group("data")
+    data.add_argument("--text", metavar="PATH",
+                      help="UTF-8 text to train on (default: the package's Shakespeare corpus)")
+    data.add_argument("--tokenizer", choices=("char", "bpe", "gpt2"),
+                      help="char (default), bpe (trained on the training split) or gpt2")
+    data.add_argument("--bpe-vocab-size", type=int, metavar="V",
+                      help="vocabulary size of the bpe tokenizer (default 512)")
+    m = p.add_argument_group("model (default: GPTConfig.shakespeare_cpu)")
+    for name, typ in (("n_layers", int), ("n_heads", int), ("d_model", int),
+                      ("context_length", int), ("dropout", float)):
+        m.add_argument(_flag(name), type=typ, help=f"default {getattr(preset, name)}")
+    m.add_argument("--d-ff", type=int, help="feed-forward width (default 4 * d_model)")
+    m.add_argument("--bias", action=argparse.BooleanOptionalAction,
+                   help="biases in linear layers and layer norms (default: --bias)")
+    o = p.add_argument_group("optimisation (default: TrainConfig)")
+    for name in _TRAIN_FLAGS:
+        if name in ("bf16", "device"):
+            continue
+        kind = TrainConfig.model_fields[name].annotation
+        typ = float if kind in (float, "float") else int
+        o.add_argument(_flag(name), type=typ, help=f"default {getattr(d, name)}"
+                       + (" (= max steps)" if name == "decay_steps" else ""))
+    o.add_argument("--bf16", action=argparse.BooleanOptionalAction,
+                   help="bf16 autocast for forward passes (default: off)")
+    o.add_argument("--device", help="cpu (default), cuda, cuda:1, ...")
+    r = p.add_argument_group("run")
+    r.add_argument("--out", required=True, metavar="DIR",
+                   help="output directory: checkpoint.pt, metrics.json, history.json, id files")
+    r.add_argument("--resume", action="store_true",
+                   help="continue the run saved in --out (only --max-steps may change)")
+    r.add_argument("--stop-at", type=int, metavar="STEP",
+                   help="stop (and checkpoint) after STEP steps; --resume continues")
+    r.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def _explain(err: ValidationError) -> str:
+    parts = []
+    for e in err.errors():
+        where = ".".join(str(x) for x in e["loc"])
+        msg = str(e["msg"]).removeprefix("Value error, ")
+        parts.append(f"{_flag(where)}: {msg}" if where else msg)
+    return "; ".join(parts)
+
+
+def _write_json(path: Path, data: Any) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def _run(args: dict[str, Any]) -> int:
+    # Imported here: data reads the corpus, which the other commands do not need.
+    from minigpt.data import load_ids, prepare_dataset, shakespeare_text
+    from minigpt.tokenizer import get_tokenizer
+
+    if "threads" in args:
+        if args["threads"] < 1:
+            raise ValueError(f"--threads must be >= 1, got {args['threads']}")
+        torch.set_num_threads(args["threads"])
+    out = Path(args["out"])
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a directory")
+    if args.get("resume"):
+        extra = sorted(_flag(k) for k in args if k not in _RESUMABLE)
+        if extra:
+            raise ValueError(f"--resume continues the run saved in --out with its own settings; "
+                             f"drop {', '.join(extra)} (only --max-steps may change)")
+        ckpt = load_checkpoint(out)
+        saved = ckpt["train_config"] | {k: args[k] for k in ("max_steps",) if k in args}
+        model_config, config = GPTConfig(**ckpt["model_config"]), TrainConfig(**saved)
+        tokenizer = (tokenizer_from_dict(ckpt["tokenizer"]) if ckpt["tokenizer"] else None)
+        del ckpt
+        for name in ("train.bin", "val.bin"):
+            if not (out / name).is_file():
+                raise FileNotFoundError(f"{out / name} is missing; cannot resume without it")
+        train_ids, val_ids = load_ids(out / "train.bin"), load_ids(out / "val.bin")
+        text_source = None
+    else:
+        kind = args.get("tokenizer", "char")
+        if "bpe_vocab_size" in args and kind != "bpe":
+            raise ValueError("--bpe-vocab-size applies only with --tokenizer bpe")
+        config = TrainConfig(**{k: args[k] for k in _TRAIN_FLAGS if k in args})
+        if "text" in args:
+            path = Path(args["text"])
+            if not path.is_file():
+                raise FileNotFoundError(f"--text {path}: no such file")
+            try:
+                text = path.read_text(encoding="utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(f"--text {path} is not UTF-8 text ({err.reason} at byte "
+                                 f"{err.start})") from None
+            text_source = str(path)
+        else:
+            text = shakespeare_text()
+            text_source = "minigpt.data.shakespeare_text()"
+        if not text:
+            raise ValueError("the text is empty")
+        if kind == "bpe":
+            from minigpt.data import split_text
+
+            # BPE is trained on the training split only: validation text stays unseen.
+            tokenizer = get_tokenizer("bpe", split_text(text)[0],
+                                      vocab_size=args.get("bpe_vocab_size"))
+        else:
+            tokenizer = get_tokenizer(kind, text)
+        model_args = {k: args[k] for k in _MODEL_FLAGS if k in args}
+        model_config = GPTConfig.shakespeare_cpu(tokenizer.vocab_size, **model_args)
+        out.mkdir(parents=True, exist_ok=True)
+        train_ids, val_ids = prepare_dataset(text, tokenizer, out)
+
+    log = tqdm.write
+    result = train(model_config, config, train_ids, val_ids, tokenizer=tokenizer, out_dir=out,
+                   resume=bool(args.get("resume")), stop_at=args.get("stop_at"),
+                   progress=not args.get("no_progress"), log=log)
+    metrics = result.metrics | {
+        "model_config": model_config.model_dump(),
+        "train_config": config.model_dump(),
+        "tokenizer": None if tokenizer is None else tokenizer.name,
+        "vocab_size": model_config.vocab_size,
+        "text": text_source,
+        "train_tokens": len(train_ids),
+        "val_tokens": len(val_ids),
+    }
+    _write_json(out / METRICS_NAME, metrics)
+    _write_json(out / "history.json", asdict(result.history))
+    m = result.metrics
+    ms = m["median_step_ms"]
+    speed = (f"median {ms:.1f} ms/step, {m['tokens_per_second']:,.0f} tokens/s"
+             if ms is not None else "no steps run")
+    val = m["final_val_loss"]
+    print(f"step {m['steps']}: val loss {val:.4f}; " if val is not None else "", end="")
+    print(f"{speed}; wrote {out / CHECKPOINT_NAME} and {out / METRICS_NAME}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m minigpt train ...`: returns the exit status (0 ok, 1 error, 2 usage)."""
+    try:
+        args = vars(_parser().parse_args(argv))
+    except SystemExit as exit_:  # argparse has printed the usage and the error (or --help)
+        return int(exit_.code) if isinstance(exit_.code, int) else 2
+    try:
+        return _run(args)
+    except ValidationError as err:
+        print(f"minigpt train: error: {_explain(err)}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as err:
+        print(f"minigpt train: error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"minigpt train: interrupted; resume from the last checkpoint with "
+              f"--out {args['out']} --resume", file=sys.stderr)
+        return 130

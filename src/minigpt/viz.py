@@ -1,0 +1,493 @@
+"""The figures the chapters show: attention heatmaps, positional encodings, similarities.
+
+Every function validates its input (a wrong rank, a token list of the wrong length or
+attention weights outside [0, 1] raise a `ValueError` saying what was expected), draws with
+matplotlib's pyplot interface (so a notebook shows the figure with `plt.show()`; nothing here
+calls it) and returns the `Figure`, which tests inspect. Every figure has a title and labelled
+axes. Colour maps follow the data: a sequential map with limits fixed to [0, 1] for attention
+weights, a diverging map centred at 0 for signed values.
+
+Shapes use the book's notation: B batch, H heads, L layers, T positions, D model width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+
+SEQUENTIAL_CMAP = "viridis"  # weights in [0, 1]: dark = 0, bright = 1
+DIVERGING_CMAP = "RdBu_r"  # signed values: blue < 0 < red, white at 0
+_VISIBLE = {" ": "␣", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
+_WEIGHT_TOLERANCE = 1e-6  # float rounding of a softmax, not a licence to clamp
+
+
+def display_token(token: str) -> str:
+    """How a token is written on an axis: whitespace made visible (' ' -> '␣', newline -> '\\n').
+
+    Multi-character tokens (BPE) are shown with each whitespace character replaced; an empty
+    token is shown as '∅'.
+    """
+    if not isinstance(token, str):
+        raise TypeError(f"tokens must be strings, got {token!r} ({type(token).__name__})")
+    if token == "":
+        return "∅"
+    return "".join(_VISIBLE.get(c, c) for c in token)
+
+
+def _to_numpy(values: Any, name: str) -> np.ndarray:
+    """A float64 NumPy copy of a tensor or array-like, with NaN/inf refused."""
+    if isinstance(values, torch.Tensor):
+        array = values.detach().to("cpu", torch.float64).numpy()
+    elif isinstance(values, np.ndarray | list | tuple):
+        array = np.asarray(values, dtype=np.float64)
+    else:
+        raise TypeError(f"{name} must be a torch.Tensor or a NumPy array, "
+                        f"got {type(values).__name__}")
+    if not np.all(np.isfinite(array)):
+        raise ValueError(f"{name} contains NaN or infinite values")
+    return array
+
+
+def _check_weights(weights: Any, name: str = "weights") -> np.ndarray:
+    """Attention weights as a (B, H, T, T) array; (H, T, T) and (T, T) gain leading axes."""
+    array = _to_numpy(weights, name)
+    if array.ndim not in (2, 3, 4):
+        raise ValueError(f"{name} must have shape (B, H, T, T), (H, T, T) or (T, T); "
+                         f"got rank {array.ndim} with shape {array.shape}")
+    while array.ndim < 4:
+        array = array[None]
+    if array.shape[-1] != array.shape[-2] or 0 in array.shape:
+        raise ValueError(f"{name} must end in a non-empty square (T, T) block of queries x keys, "
+                         f"got shape {array.shape}")
+    low, high = float(array.min()), float(array.max())
+    if low < -_WEIGHT_TOLERANCE or high > 1 + _WEIGHT_TOLERANCE:
+        raise ValueError(f"{name} must lie in [0, 1] (they are probabilities), found values in "
+                         f"[{low:.4g}, {high:.4g}]; pass softmax outputs, not raw scores")
+    return array
+
+
+def _token_rows(tokens: Any, batch: int, length: int) -> list[list[str]]:
+    """One list of T display strings per batch row, from shared or per-row tokens."""
+    if isinstance(tokens, str):
+        tokens = list(tokens)  # a string is its characters: handy for character models
+    if not isinstance(tokens, Sequence) or len(tokens) == 0:
+        raise TypeError("tokens must be a non-empty sequence of strings (one per position) or "
+                        "a sequence of B such sequences")
+    if all(isinstance(t, str) for t in tokens):
+        rows = [list(tokens)] * batch
+    elif all(isinstance(t, list | tuple) for t in tokens):
+        if len(tokens) != batch:
+            raise ValueError(f"got {len(tokens)} token lists for a batch of B={batch}; pass one "
+                             f"list per batch row, or one list shared by all rows")
+        rows = [list(t) for t in tokens]
+    else:
+        raise TypeError("tokens must be all strings (shared by every batch row) or all "
+                        "lists/tuples of strings (one per batch row)")
+    for b, row in enumerate(rows):
+        if len(row) != length:
+            raise ValueError(f"got {len(row)} tokens for batch row {b}, but the weights have "
+                             f"T={length} positions; pass exactly one token per position")
+    return [[display_token(t) for t in row] for row in rows]
+
+
+def _tick_fontsize(panel_inches: float, count: int) -> float:
+    # About 80% of the space one tick gets, kept between 3 and 10 points.
+    return float(np.clip(0.8 * panel_inches * 72 / max(count, 1), 3.0, 10.0))
+
+
+def attention_heatmap(
+    weights: Any,
+    tokens: Any,
+    *,
+    titles: Sequence[str] | None = None,
+    title: str = "Attention weights",
+    row_name: str = "batch",
+    panel_size: float = 3.0,
+    cmap: str = SEQUENTIAL_CMAP,
+) -> Figure:
+    """Heatmaps of attention weights: one panel per (row, head), queries down, keys across.
+
+    Args:
+        weights: (B, H, T, T), or (H, T, T) / (T, T) for one row / one head; entry
+            [b, h, i, j] is how much query i attends to key j. Values must lie in [0, 1].
+        tokens: the T tokens (shared by every row; a str counts as its characters), or B
+            lists of T tokens. They label both axes; whitespace is made visible.
+        titles: B * H panel titles in row-major order (default: "head h", prefixed by
+            "<row_name> b" when B > 1).
+        title: the figure's title.
+        row_name: what the rows are ("batch", or "layer" for an (L, H, T, T) stack).
+        panel_size: inches per panel side.
+        cmap: a sequential colour map; the colour range is fixed to [0, 1].
+
+    Returns: the Figure, with B x H panels laid out as B rows and H columns and one shared
+    colour bar.
+    """
+    array = _check_weights(weights)
+    if not panel_size > 0:
+        raise ValueError(f"panel_size must be a positive number of inches, got {panel_size!r}")
+    batch, heads, length, _ = array.shape
+    rows = _token_rows(tokens, batch, length)
+    if titles is None:
+        titles = [f"{row_name} {b}, head {h}" if batch > 1 else f"head {h}"
+                  for b in range(batch) for h in range(heads)]
+    elif isinstance(titles, str) or len(titles) != batch * heads:
+        raise ValueError(f"titles must be a sequence of B*H = {batch * heads} strings "
+                         f"(row-major), got {titles!r}")
+    fig, axes = plt.subplots(batch, heads, squeeze=False, layout="constrained",
+                             figsize=(panel_size * heads + 1.2, panel_size * batch + 0.6))
+    fontsize = _tick_fontsize(panel_size, length)
+    image = None
+    for b in range(batch):
+        for h in range(heads):
+            ax: Axes = axes[b, h]
+            image = ax.imshow(array[b, h], cmap=cmap, vmin=0.0, vmax=1.0,
+                              interpolation="nearest")
+            ax.set_xticks(range(length), rows[b], fontsize=fontsize, rotation=90)
+            ax.set_yticks(range(length), rows[b], fontsize=fontsize)
+            ax.set_xlabel("key (attended to)")
+            ax.set_ylabel("query (attending)")
+            ax.set_title(titles[b * heads + h], fontsize=10)
+    assert image is not None  # B, H >= 1: at least one panel was drawn
+    colorbar = fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8)
+    colorbar.set_label("attention weight")
+    fig.suptitle(title)
+    return fig
+
+
+def positional_heatmap(
+    encoding: Any,
+    *,
+    title: str = "Positional encoding",
+    cmap: str = DIVERGING_CMAP,
+) -> Figure:
+    """A (T, D) encoding matrix as an image: positions across, dimensions down.
+
+    The colour map is diverging and centred at 0 (limits +-max|P|), since entries are signed.
+    """
+    array = _to_numpy(encoding, "encoding")
+    if array.ndim != 2 or 0 in array.shape:
+        raise ValueError(f"encoding must have shape (T, D), got {array.shape}")
+    limit = float(np.abs(array).max()) or 1.0
+    num_positions, width = array.shape
+    fig, ax = plt.subplots(layout="constrained",
+                           figsize=(min(12.0, 2.0 + num_positions / 8), min(8.0, 2 + width / 8)))
+    image = ax.imshow(array.T, cmap=cmap, vmin=-limit, vmax=limit, aspect="auto",
+                      interpolation="nearest")
+    ax.set_xlabel("position p")
+    ax.set_ylabel("dimension")
+    ax.set_title(title)
+    fig.colorbar(image, ax=ax).set_label("value")
+    return fig
+
+
+def encoding_lines(
+    encoding: Any,
+    dims: Sequence[int],
+    *,
+    num_positions: int = 16,
+    ncols: int | None = None,
+    title: str = "Single dimensions of the positional encoding",
+) -> Figure:
+    """One panel per dimension d: P[p, d] against p for the first `num_positions` positions.
+
+    Args:
+        encoding: (T, D).
+        dims: the dimensions to draw, each in [0, D).
+        num_positions: how many positions (from 0) to draw; at most T.
+        ncols: panels per row (default: all in one row).
+    """
+    array = _to_numpy(encoding, "encoding")
+    if array.ndim != 2 or 0 in array.shape:
+        raise ValueError(f"encoding must have shape (T, D), got {array.shape}")
+    total, width = array.shape
+    if isinstance(dims, int) or len(dims) == 0:
+        raise ValueError(f"dims must be a non-empty sequence of dimensions, got {dims!r}")
+    for d in dims:
+        if isinstance(d, bool) or not isinstance(d, int | np.integer) or not 0 <= d < width:
+            raise ValueError(f"dimension {d!r} is out of range: dims must be integers in "
+                             f"[0, {width})")
+    if not 1 <= num_positions <= total:
+        raise ValueError(f"num_positions must lie in [1, {total}] (the encoding has T={total} "
+                         f"rows), got {num_positions}")
+    ncols = len(dims) if ncols is None else ncols
+    if isinstance(ncols, bool) or not isinstance(ncols, int) or ncols < 1:
+        raise ValueError(f"ncols must be a positive integer, got {ncols!r}")
+    ncols = min(ncols, len(dims))
+    nrows = -(-len(dims) // ncols)
+    positions = np.arange(num_positions)
+    fig, axes = plt.subplots(nrows, ncols, squeeze=False, sharey=True, layout="constrained",
+                             figsize=(3.2 * ncols, 2.6 * nrows + 0.3))
+    for ax in axes.ravel()[len(dims):]:
+        ax.remove()  # a last row that is not full
+    for ax, d in zip(axes.ravel(), dims, strict=False):
+        ax.plot(positions, array[:num_positions, d], marker="o", markersize=3)
+        ax.axhline(0.0, color="0.7", linewidth=0.8)
+        ax.set_title(f"dimension {d}")
+        ax.set_xlabel("position p")
+        ax.set_ylabel("value")
+    fig.suptitle(title)
+    return fig
+
+
+def cosine_similarity_matrix(vectors: Any) -> torch.Tensor:
+    """Pairwise cosine similarities of N vectors: (N, D) -> (N, N), entries in [-1, 1].
+
+    A zero vector has no direction, so it is refused rather than given similarity 0.
+    """
+    x = torch.from_numpy(_to_numpy(vectors, "vectors"))  # float64, finite
+    if x.dim() != 2 or 0 in x.shape:
+        raise ValueError(f"vectors must have shape (N, D), got {tuple(x.shape)}")
+    norms = x.norm(dim=1, keepdim=True)
+    if bool((norms == 0).any()):
+        zero = int(torch.nonzero(norms[:, 0] == 0)[0])
+        raise ValueError(f"vector {zero} is zero; cosine similarity is undefined for it")
+    unit = x / norms
+    similarity: torch.Tensor = (unit @ unit.T).clamp(-1.0, 1.0)
+    return similarity  # rounding can push |cos| a hair above 1
+
+
+def similarity_heatmap(
+    matrices: Any,
+    *,
+    titles: Sequence[str] | None = None,
+    title: str = "Cosine similarity",
+    axis_label: str = "position",
+    limit: float | None = None,
+    cmap: str = DIVERGING_CMAP,
+) -> Figure:
+    """Square similarity matrices side by side, with one shared diverging colour bar at 0.
+
+    Args:
+        matrices: one (N, N) matrix, or a sequence / (K, N, N) stack of them (sizes may differ
+            between panels in a sequence).
+        titles: one title per panel.
+        axis_label: what rows and columns index (both axes get it).
+        limit: the colour range is [-limit, limit]; default max |entry| over all panels.
+    """
+    if isinstance(matrices, list | tuple):
+        arrays = [_to_numpy(m, "matrices") for m in matrices]
+    else:
+        stacked = _to_numpy(matrices, "matrices")
+        arrays = [stacked] if stacked.ndim == 2 else list(stacked)
+    if not arrays:
+        raise ValueError("matrices is empty; pass at least one (N, N) matrix")
+    for k, a in enumerate(arrays):
+        if a.ndim != 2 or a.shape[0] != a.shape[1] or a.shape[0] == 0:
+            raise ValueError(f"matrix {k} must be square (N, N), got shape {a.shape}")
+    if titles is None:
+        titles = [f"matrix {k}" for k in range(len(arrays))] if len(arrays) > 1 else [title]
+    elif isinstance(titles, str) or len(titles) != len(arrays):
+        raise ValueError(f"titles must be a sequence of {len(arrays)} strings, got {titles!r}")
+    if limit is None:
+        limit = max(float(np.abs(a).max()) for a in arrays) or 1.0
+    elif limit <= 0:
+        raise ValueError(f"limit must be positive, got {limit}")
+    fig, axes = plt.subplots(1, len(arrays), squeeze=False, layout="constrained",
+                             figsize=(4.0 * len(arrays) + 1.0, 4.2))
+    image = None
+    for ax, a, panel_title in zip(axes[0], arrays, titles, strict=True):
+        image = ax.imshow(a, cmap=cmap, vmin=-limit, vmax=limit, interpolation="nearest")
+        ax.set_xlabel(axis_label)
+        ax.set_ylabel(axis_label)
+        ax.set_title(panel_title, fontsize=10)
+    assert image is not None  # at least one panel was drawn
+    fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8).set_label("similarity")
+    if len(arrays) > 1:
+        fig.suptitle(title)
+    return fig
+
+
+def line_plot(
+    x: Any,
+    series: Mapping[str, Any],
+    *,
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    marker: str | None = "o",
+    styles: Mapping[str, Mapping[str, Any]] | None = None,
+) -> Figure:
+    """Several named curves y(x) on one pair of axes, with a legend.
+
+    ``styles`` maps a series' label to extra `Axes.plot` keyword arguments (e.g. a wide
+    pale line for a reference curve that other curves lie on).
+    """
+    xs = _to_numpy(x, "x")
+    if xs.ndim != 1 or xs.size == 0:
+        raise ValueError(f"x must be a non-empty 1-D sequence, got shape {xs.shape}")
+    if not series:
+        raise ValueError("series is empty; pass at least one {label: values} entry")
+    styles = {} if styles is None else styles
+    unknown = sorted(set(styles) - set(series))
+    if unknown:
+        raise ValueError(f"styles names {unknown}, which are not series labels {list(series)}")
+    fig, ax = plt.subplots(layout="constrained", figsize=(6.4, 3.6))
+    for label, values in series.items():
+        ys = _to_numpy(values, f"series {label!r}")
+        if ys.shape != xs.shape:
+            raise ValueError(f"series {label!r} has shape {ys.shape}, x has {xs.shape}")
+        ax.plot(xs, ys, **({"marker": marker, "markersize": 3} | dict(styles.get(label, {}))),
+                label=label)
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.legend()
+    return fig
+
+
+def histogram_plot(
+    samples: Mapping[str, Any],
+    *,
+    title: str,
+    xlabel: str,
+    bins: int = 60,
+    value_range: tuple[float, float] | None = None,
+) -> Figure:
+    """Overlaid density histograms of several named samples (same bins for all)."""
+    if not samples:
+        raise ValueError("samples is empty; pass at least one {label: values} entry")
+    arrays = {label: _to_numpy(v, f"samples {label!r}").ravel() for label, v in samples.items()}
+    for label, a in arrays.items():
+        if a.size == 0:
+            raise ValueError(f"samples {label!r} is empty")
+    if value_range is None:
+        value_range = (min(float(a.min()) for a in arrays.values()),
+                       max(float(a.max()) for a in arrays.values()))
+    fig, ax = plt.subplots(layout="constrained", figsize=(6.4, 3.6))
+    for label, a in arrays.items():
+        ax.hist(a, bins=bins, range=value_range, density=True, histtype="stepfilled",
+                alpha=0.45, label=label)
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("density")
+    ax.legend()
+    return fig
+
+
+def _layers(weights: Any) -> tuple[np.ndarray, bool]:
+    """(L, B, H, T, T) float64 from one layer's (B, H, T, T), a stack or a list of layers;
+    also whether the input was a stack (so the result keeps its L axis)."""
+    if isinstance(weights, list | tuple):
+        if not weights:
+            raise ValueError("weights is an empty list; pass at least one layer's (B, H, T, T)")
+        layers = [_to_numpy(w, f"weights[{k}]") for k, w in enumerate(weights)]
+        if any(w.ndim != 4 for w in layers) or len({w.shape for w in layers}) != 1:
+            raise ValueError("each layer's weights must have the same shape (B, H, T, T), got "
+                             f"{[w.shape for w in layers]}")
+        array, stacked = np.stack(layers), True
+    else:
+        array = _to_numpy(weights, "weights")
+        if array.ndim not in (4, 5):
+            raise ValueError(f"weights must have shape (B, H, T, T) or (L, B, H, T, T), got "
+                             f"{array.shape}")
+        stacked = array.ndim == 5
+        array = array if stacked else array[None]
+    if array.shape[-1] != array.shape[-2]:
+        raise ValueError(f"weights must end in a square (T, T) block, got shape {array.shape}")
+    _check_weights(array.reshape(-1, *array.shape[-2:]))
+    row_sums = array.sum(axis=-1)
+    if not np.allclose(row_sums, 1.0, atol=1e-4):
+        worst = float(np.abs(row_sums - 1.0).max())
+        raise ValueError(f"every row of the weights must sum to 1 (a distribution over keys); "
+                         f"the worst row is off by {worst:.3g}")
+    return array, stacked
+
+
+def mean_attention_distance(weights: Any) -> torch.Tensor:
+    """How far back (or ahead) each head looks, on average, in positions.
+
+    For query i the expected distance is sum_j w[i, j] |i - j|; it is averaged over the T
+    queries (each query counts once) and the B sequences.
+
+    Args:
+        weights: (B, H, T, T) for one layer, or (L, B, H, T, T) / a list of L (B, H, T, T)
+            tensors (what `GPT.forward_with_attention` returns) for a stack. Each row must be
+            a probability distribution (entries in [0, 1], summing to 1).
+
+    Returns: (H,) for one layer, (L, H) for a stack; float64.
+    """
+    array, stacked = _layers(weights)
+    length = array.shape[-1]
+    idx = np.arange(length)
+    distance = np.abs(idx[:, None] - idx[None, :])  # (T, T): |i - j|
+    per_query = (array * distance).sum(axis=-1)  # (L, B, H, T)
+    result = torch.from_numpy(per_query.mean(axis=(1, 3)))  # (L, H)
+    return result if stacked else result[0]
+
+
+def attention_mass(weights: Any, keys: Any) -> torch.Tensor:
+    """The share of attention each head gives to a chosen set of keys, on average.
+
+    For sequence b and query i, the mass is sum_j w[i, j] over the selected keys j; it is
+    averaged over every (b, i) that has at least one selected key (a query with none, e.g.
+    query 0 when the keys are "the previous position", is left out rather than counted as 0).
+
+    Args:
+        weights: as for `mean_attention_distance`: (B, H, T, T), (L, B, H, T, T) or a list of
+            L (B, H, T, T).
+        keys: boolean, broadcastable to (B, T, T) (sequence, query, key): (T, T) for a
+            pattern of positions such as "the previous position", (B, 1, T) for a property
+            of the key tokens such as "is a space", (B, T, T) for anything else.
+
+    Returns: (H,) for one layer, (L, H) for a stack; float64, each in [0, 1].
+    """
+    array, stacked = _layers(weights)
+    _, batch, _, length, _ = array.shape
+    mask = keys.detach().cpu().numpy() if isinstance(keys, torch.Tensor) else np.asarray(keys)
+    if mask.dtype != np.bool_:
+        raise TypeError(f"keys must be a boolean mask, got dtype {mask.dtype}")
+    try:
+        mask = np.broadcast_to(mask, (batch, length, length))
+    except ValueError:
+        raise ValueError(f"keys has shape {mask.shape}, which does not broadcast to (B, T, T) "
+                         f"= {(batch, length, length)}") from None
+    has_key = np.asarray(mask.any(axis=-1))  # (B, T): queries with a key to attend to
+    if not has_key.any():
+        raise ValueError("keys selects no key for any query")
+    mass = (array * mask[None, :, None]).sum(axis=-1)  # (L, B, H, T)
+    mean = (mass * has_key[None, :, None]).sum(axis=(1, 3)) / has_key.sum()
+    result = torch.from_numpy(mean)
+    return result if stacked else result[0]
+
+
+def attention_distance_bars(
+    distances: Any,
+    *,
+    title: str = "Mean attention distance per head",
+    reference: float | None = None,
+    reference_label: str = "uniform attention",
+) -> Figure:
+    """Grouped bars of mean attention distance: one group per layer, one bar per head.
+
+    Args:
+        distances: (L, H) or (H,), e.g. from `mean_attention_distance`.
+        reference: draw a dashed horizontal line at this distance (e.g. (T - 1) / 4, the
+            distance of a head that spreads evenly over a causal context of T positions).
+    """
+    array = _to_numpy(distances, "distances")
+    if array.ndim == 1:
+        array = array[None]
+    if array.ndim != 2 or 0 in array.shape:
+        raise ValueError(f"distances must have shape (L, H) or (H,), got {array.shape}")
+    if float(array.min()) < 0:
+        raise ValueError("distances must be non-negative")
+    layers, heads = array.shape
+    width = 0.8 / heads
+    fig, ax = plt.subplots(layout="constrained", figsize=(max(5.0, 1.6 * layers + 2), 3.6))
+    for h in range(heads):
+        ax.bar(np.arange(layers) + (h - (heads - 1) / 2) * width, array[:, h], width,
+               label=f"head {h}")
+    if reference is not None:
+        ax.axhline(reference, color="0.3", linestyle="--", linewidth=1, label=reference_label)
+    ax.set_xticks(range(layers), [f"layer {ell}" for ell in range(layers)])
+    ax.set_xlabel("layer")
+    ax.set_ylabel("mean distance (positions)")
+    ax.set_title(title)
+    ax.legend(ncols=min(heads + (reference is not None), 5), fontsize=8)
+    return fig

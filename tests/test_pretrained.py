@@ -1,0 +1,189 @@
+"""The cached book model: built once, reloaded without training, rebuilt when damaged.
+
+Every test uses a tiny recipe (one layer, ten steps: well under a second) on a small text,
+and a temporary cache root (MINIGPT_CACHE), so the real cache is never touched.
+"""
+
+import json
+import warnings
+
+import pytest
+import torch
+
+from minigpt import pretrained
+from minigpt.pretrained import MANIFEST_NAME, WEIGHTS_NAME, Recipe, load_or_build
+from minigpt.train import TrainConfig
+
+TEXT = (
+    "ROMEO:\nBut, soft! what light through yonder window breaks?\n\n"
+    "JULIET:\nO Romeo, Romeo! wherefore art thou Romeo?\n\n"
+) * 20
+
+TINY = Recipe(
+    n_layers=1, n_heads=2, d_model=16, context_length=16,
+    training=TrainConfig(batch_size=4, max_steps=10, warmup_steps=2, eval_interval=5,
+                         eval_steps=2, seed=0),
+    threads=1,
+)
+
+
+@pytest.fixture(autouse=True)
+def tmp_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINIGPT_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def _state(model):
+    return {name: t.clone() for name, t in model.state_dict().items()}
+
+
+def _assert_same_weights(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_build_writes_weights_and_a_manifest_with_their_hash(tmp_cache):
+    model, tokenizer, info = load_or_build(TINY, TEXT, progress=False)
+    assert info.built
+    assert info.path.parent == tmp_cache / "models"
+    assert tokenizer.decode(tokenizer.encode("Romeo")) == "Romeo"
+    assert model.config.vocab_size == tokenizer.vocab_size == len(set(TEXT))
+    assert (model.config.n_layers, model.config.d_model) == (1, 16)
+    assert not model.training
+    manifest = json.loads((info.path / MANIFEST_NAME).read_text())
+    assert manifest["key"] == info.key
+    assert manifest["weights_sha256"] == pretrained.sha256_file(info.path / WEIGHTS_NAME)
+    assert manifest["metrics"]["steps"] == 10
+    assert manifest["key_material"]["train_config"]["seed"] == 0
+    # Nothing half-written is left behind.
+    assert sorted(p.name for p in info.path.iterdir()) == [MANIFEST_NAME, WEIGHTS_NAME]
+
+
+def test_second_call_loads_without_training(monkeypatch):
+    first, _, info1 = load_or_build(TINY, TEXT, progress=False)
+    monkeypatch.setattr(pretrained, "train", _refuse_training)
+    second, _, info2 = load_or_build(TINY, TEXT, progress=False)
+    assert not info2.built and info2.key == info1.key
+    _assert_same_weights(_state(first), _state(second))
+    assert info2.metrics == info1.metrics
+
+
+def _refuse_training(*args, **kwargs):
+    raise AssertionError("train() was called, but the cache should have been used")
+
+
+def test_builds_are_deterministic(tmp_path):
+    first, _, info1 = load_or_build(TINY, TEXT, progress=False, cache=tmp_path / "a")
+    second, _, info2 = load_or_build(TINY, TEXT, progress=False, cache=tmp_path / "b")
+    assert info1.built and info2.built and info1.key == info2.key
+    _assert_same_weights(_state(first), _state(second))
+    assert info1.manifest["weights_sha256"] == info2.manifest["weights_sha256"]
+
+
+def test_key_changes_with_everything_that_shapes_the_weights():
+    base = pretrained.cache_key(pretrained.key_material(TINY, TEXT))
+    variants = [
+        (Recipe(**{**TINY.__dict__, "d_model": 32}), TEXT),
+        (Recipe(**{**TINY.__dict__, "training": TINY.training.model_copy(update={"seed": 1})}),
+         TEXT),
+        (Recipe(**{**TINY.__dict__, "threads": 2}), TEXT),
+        (TINY, TEXT + "x"),
+    ]
+    keys = {pretrained.cache_key(pretrained.key_material(r, t)) for r, t in variants}
+    assert base not in keys and len(keys) == len(variants)
+
+
+def _corrupt_one_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_corrupted_weights_are_detected_and_rebuilt(caplog):
+    reference, _, info = load_or_build(TINY, TEXT, progress=False)
+    _corrupt_one_byte(info.path / WEIGHTS_NAME)
+    with pytest.warns(RuntimeWarning, match="corrupted"):
+        rebuilt, _, info2 = load_or_build(TINY, TEXT, progress=False)
+    assert info2.built
+    assert "rebuilding" in caplog.text
+    _assert_same_weights(_state(reference), _state(rebuilt))
+    # The rebuilt cache is sound again: the next call loads it quietly.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, _, info3 = load_or_build(TINY, TEXT, progress=False)
+    assert not info3.built
+
+
+def test_unreadable_weights_with_a_matching_hash_are_rebuilt():
+    _, _, info = load_or_build(TINY, TEXT, progress=False)
+    garbage = b"this is not a torch file"
+    (info.path / WEIGHTS_NAME).write_bytes(garbage)
+    manifest_path = info.path / MANIFEST_NAME
+    manifest = json.loads(manifest_path.read_text())
+    manifest["weights_sha256"] = pretrained.hashlib.sha256(garbage).hexdigest()
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.warns(RuntimeWarning, match="unreadable"):
+        _, _, info2 = load_or_build(TINY, TEXT, progress=False)
+    assert info2.built
+
+
+def test_unreadable_manifest_is_rebuilt():
+    _, _, info = load_or_build(TINY, TEXT, progress=False)
+    (info.path / MANIFEST_NAME).write_text("{ not json")
+    with pytest.warns(RuntimeWarning, match="manifest is unreadable"):
+        _, _, info2 = load_or_build(TINY, TEXT, progress=False)
+    assert info2.built
+
+
+def test_mismatched_manifest_is_rebuilt():
+    _, _, info = load_or_build(TINY, TEXT, progress=False)
+    manifest_path = info.path / MANIFEST_NAME
+    manifest = json.loads(manifest_path.read_text())
+    manifest["key_material"]["model_config"]["d_model"] = 32  # another configuration
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.warns(RuntimeWarning, match="different recipe"):
+        model, _, info2 = load_or_build(TINY, TEXT, progress=False)
+    assert info2.built and model.config.d_model == 16
+
+
+def test_weights_of_another_shape_are_rebuilt():
+    _, _, info = load_or_build(TINY, TEXT, progress=False)
+    other, _, other_info = load_or_build(Recipe(**{**TINY.__dict__, "d_model": 32}), TEXT,
+                                         progress=False)
+    # Put the wider model's weights into the narrow model's cache, with a consistent hash.
+    other_weights = (other_info.path / WEIGHTS_NAME).read_bytes()
+    (info.path / WEIGHTS_NAME).write_bytes(other_weights)
+    manifest_path = info.path / MANIFEST_NAME
+    manifest = json.loads(manifest_path.read_text())
+    manifest["weights_sha256"] = pretrained.hashlib.sha256(other_weights).hexdigest()
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.warns(RuntimeWarning, match="does not fit"):
+        model, _, info2 = load_or_build(TINY, TEXT, progress=False)
+    assert info2.built and model.config.d_model == 16
+    assert other.config.d_model == 32
+
+
+def test_book_model_uses_the_corpus_and_keeps_the_callers_random_state(monkeypatch):
+    monkeypatch.setattr(pretrained, "corpus", lambda: TEXT)
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    model, tokenizer, info = pretrained.book_model(progress=False, recipe=TINY)
+    assert torch.equal(torch.rand(3), expected)  # built: random state untouched
+    torch.manual_seed(123)
+    _, _, info2 = pretrained.book_model(progress=False, recipe=TINY)
+    assert torch.equal(torch.rand(3), expected)  # loaded: untouched as well
+    assert info.built and not info2.built
+    assert info.key == pretrained.cache_key(pretrained.key_material(TINY, TEXT))
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="Recipe"):
+        load_or_build({"n_layers": 1}, TEXT)
+    with pytest.raises(ValueError, match="threads"):
+        Recipe(threads=0)
+    with pytest.raises(ValueError, match="divisible"):
+        Recipe(d_model=30, n_heads=4)
+    with pytest.raises(ValueError, match="at least two"):
+        load_or_build(TINY, "")

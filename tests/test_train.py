@@ -1,0 +1,276 @@
+"""Training: optimiser groups, schedule, the loop's determinism, accumulation, checkpoints."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from minigpt import GPT, GPTConfig
+from minigpt.tokenizer import CharTokenizer
+from minigpt.train import (
+    TrainConfig,
+    configure_optimizer,
+    estimate_loss,
+    load_checkpoint,
+    lr_at,
+    save_checkpoint,
+    train,
+)
+
+V = 12
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    # Tensors this small gain nothing from intra-op threads, and on a busy machine idle
+    # OpenMP workers waiting for a core make each step many times slower.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_config(**overrides: object) -> GPTConfig:
+    values: dict[str, object] = dict(vocab_size=V, context_length=8, d_model=16, n_heads=2,
+                                     n_layers=2, dropout=0.0)
+    return GPTConfig(**(values | overrides))
+
+
+def run_config(**overrides: object) -> TrainConfig:
+    values: dict[str, object] = dict(batch_size=4, max_steps=20, lr=3e-3, min_lr=3e-4,
+                                     warmup_steps=4, eval_interval=10, eval_steps=2, seed=7)
+    return TrainConfig(**(values | overrides))
+
+
+@pytest.fixture(scope="module")
+def data() -> tuple[np.ndarray, np.ndarray]:
+    # A learnable sequence (a noisy cycle) so that the loss visibly falls.
+    rng = np.random.default_rng(0)
+    ids = (np.arange(3000) % V + (rng.random(3000) < 0.1)) % V
+    return ids[:2700].astype(np.uint16), ids[2700:].astype(np.uint16)
+
+
+# ----- schedule and optimiser ----------------------------------------------------------
+
+
+def test_lr_schedule_boundaries() -> None:
+    kw = dict(lr=1.0, min_lr=0.1, warmup_steps=10, decay_steps=110)
+    assert lr_at(0, **kw) == pytest.approx(0.1)  # the first step already moves
+    assert lr_at(4, **kw) == pytest.approx(0.5)
+    assert lr_at(9, **kw) == 1.0  # last warm-up step: the full rate
+    assert lr_at(10, **kw) == 1.0  # cosine starts at the peak
+    assert lr_at(60, **kw) == pytest.approx(0.55)  # half-way: the mean of peak and floor
+    assert lr_at(110, **kw) == pytest.approx(0.1)
+    assert lr_at(5000, **kw) == 0.1
+    decay = [lr_at(s, **kw) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(decay, decay[1:], strict=False))
+    assert lr_at(0, lr=1.0, min_lr=0.0, warmup_steps=0, decay_steps=100) == 1.0
+    assert lr_at(5, lr=1.0, min_lr=0.2, warmup_steps=5, decay_steps=5) == 0.2
+
+
+def test_weight_decay_only_on_matrices() -> None:
+    model = GPT(tiny_config(bias=True))
+    opt = configure_optimizer(model, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95))
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decay["params"])
+    assert all(p.dim() < 2 for p in no_decay["params"]) and no_decay["params"]
+    counted = sum(p.numel() for g in opt.param_groups for p in g["params"])
+    assert counted == model.num_parameters()  # the tied matrix once
+    assert opt.defaults["betas"] == (0.9, 0.95)
+
+
+# ----- TrainConfig ---------------------------------------------------------------------
+
+
+def test_train_config_defaults_are_the_cpu_recipe() -> None:
+    c = TrainConfig()
+    assert (c.batch_size, c.max_steps, c.lr, c.min_lr, c.warmup_steps, c.decay_steps) == (
+        12, 2000, 1e-3, 1e-4, 100, 2000)
+    assert (c.beta1, c.beta2, c.weight_decay, c.grad_clip, c.eval_steps) == (0.9, 0.99, 0.1, 1.0,
+                                                                             20)
+    assert TrainConfig(max_steps=300, warmup_steps=10).decay_steps == 300
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"lr": 1e-4, "min_lr": 1e-3}, r"min_lr \(=0.001\) must not exceed lr"),
+        ({"max_steps": 50}, r"decay_steps \(=50\) must be >= warmup_steps \(=100\)"),
+        ({"lr": 0.0}, "lr"),
+        ({"batch_size": 0}, "batch_size"),
+        ({"beta2": 1.0}, "beta2"),
+        ({"grad_accum": 0}, "grad_accum"),
+        ({"grad_clip": -1.0}, "grad_clip"),
+        ({"eval_steps": 0}, "eval_steps"),
+        ({"device": "gpu0"}, "is not a torch device"),
+        ({"learning_rate": 1e-3}, "learning_rate"),
+    ],
+)
+def test_train_config_errors(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**kwargs)
+
+
+# ----- the loop ------------------------------------------------------------------------
+
+
+def test_training_lowers_the_loss_and_reports(data: tuple[np.ndarray, np.ndarray]) -> None:
+    result = train(tiny_config(), run_config(max_steps=30), *data, progress=False)
+    h, m = result.history, result.metrics
+    assert h.step == list(range(30)) and len(h.loss) == len(h.lr) == len(h.step_ms) == 30
+    assert h.eval_step == [0, 10, 20, 30]
+    assert h.val_loss[-1] < h.val_loss[0] - 0.3
+    assert h.val_loss[0] == pytest.approx(math.log(V), abs=0.2)  # untrained: about log V
+    assert m["final_val_loss"] == h.val_loss[-1] and m["final_train_loss"] == h.train_loss[-1]
+    assert m["median_step_ms"] > 0 and m["tokens_per_second"] > 0 and m["steps"] == 30
+    assert h.lr[0] == pytest.approx(3e-3 / 4) and h.lr[-1] > 3e-4
+
+
+def test_two_seeded_runs_are_identical(data: tuple[np.ndarray, np.ndarray]) -> None:
+    cfg = tiny_config(dropout=0.1)
+    a = train(cfg, run_config(), *data, progress=False).history
+    b = train(cfg, run_config(), *data, progress=False).history
+    c = train(cfg, run_config(seed=8), *data, progress=False).history
+    assert a.loss == b.loss and a.val_loss == b.val_loss and a.train_loss == b.train_loss
+    assert a.loss != c.loss
+
+
+def test_resume_continues_the_same_run(tmp_path: Path,
+                                       data: tuple[np.ndarray, np.ndarray]) -> None:
+    # Dropout, accumulation and clipping all on: every random draw and every moment
+    # must come back from the checkpoint for the losses to match bit for bit.
+    cfg = tiny_config(dropout=0.2)
+    tc = run_config(max_steps=16, eval_interval=4, grad_accum=2, grad_clip=0.5)
+    tok = CharTokenizer("abcdefghijkl")
+    straight = train(cfg, tc, *data, progress=False, out_dir=tmp_path / "a", tokenizer=tok)
+    first = train(cfg, tc, *data, progress=False, out_dir=tmp_path / "b", stop_at=8,
+                  tokenizer=tok)
+    assert first.history.step == list(range(8))
+    assert load_checkpoint(tmp_path / "b")["step"] == 8
+    resumed = train(cfg, tc, *data, progress=False, out_dir=tmp_path / "b", resume=True)
+    h1, h2 = straight.history, resumed.history
+    assert h1.loss == h2.loss and h1.lr == h2.lr and h1.step == h2.step
+    assert h1.eval_step == h2.eval_step == [0, 4, 8, 12, 16]
+    assert h1.val_loss == h2.val_loss and h1.train_loss == h2.train_loss
+    for (name, p1), p2 in zip(straight.model.state_dict().items(),
+                              resumed.model.state_dict().values(), strict=True):
+        assert torch.equal(p1, p2), name
+    saved = load_checkpoint(tmp_path / "b")
+    assert saved["step"] == 16 and saved["tokenizer"] == tok.to_dict()
+
+
+def test_resume_may_extend_but_not_change_the_run(tmp_path: Path,
+                                                  data: tuple[np.ndarray, np.ndarray]) -> None:
+    tc = run_config(max_steps=6, eval_interval=3)
+    train(tiny_config(), tc, *data, progress=False, out_dir=tmp_path)
+    longer = run_config(max_steps=9, eval_interval=3, decay_steps=6)
+    result = train(tiny_config(), longer, *data, progress=False, out_dir=tmp_path, resume=True)
+    assert result.history.step == list(range(9)) and result.history.lr[-1] == 3e-4
+    with pytest.raises(ValueError, match="only max_steps may differ"):
+        train(tiny_config(), run_config(max_steps=12, lr=1e-2, decay_steps=6), *data,
+              progress=False, out_dir=tmp_path, resume=True)
+    with pytest.raises(ValueError, match="configuration differs from the checkpoint"):
+        train(tiny_config(n_layers=1), longer, *data, progress=False, out_dir=tmp_path,
+              resume=True)
+    with pytest.raises(ValueError, match="past the requested end"):
+        train(tiny_config(), run_config(max_steps=3, eval_interval=3, decay_steps=6), *data,
+              progress=False, out_dir=tmp_path, resume=True)
+
+
+def test_gradient_accumulation_averages_micro_batches(
+        data: tuple[np.ndarray, np.ndarray]) -> None:
+    # One step over 2 micro-batches of 2 must equal one step over a batch of 4 made of the
+    # same sequences (the generator draws the same 4 start indices either way).
+    common = dict(max_steps=1, warmup_steps=0, lr=0.05, min_lr=0.0, grad_clip=0.0,
+                  eval_interval=100)
+    whole = train(tiny_config(), run_config(batch_size=4, **common), *data, progress=False)
+    split = train(tiny_config(), run_config(batch_size=2, grad_accum=2, **common), *data,
+                  progress=False)
+    assert whole.history.loss[0] == pytest.approx(split.history.loss[0], rel=1e-6)
+    for p1, p2 in zip(whole.model.parameters(), split.model.parameters(), strict=True):
+        torch.testing.assert_close(p1, p2, rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_autocast_trains(data: tuple[np.ndarray, np.ndarray]) -> None:
+    fp32 = train(tiny_config(), run_config(), *data, progress=False).history
+    bf16 = train(tiny_config(), run_config(bf16=True), *data, progress=False).history
+    assert all(math.isfinite(x) for x in bf16.loss)
+    assert bf16.val_loss[-1] == pytest.approx(fp32.val_loss[-1], abs=0.1)
+    assert bf16.loss != fp32.loss  # the autocast really ran
+
+
+def test_estimate_loss_is_repeatable_and_leaves_state_alone(
+        data: tuple[np.ndarray, np.ndarray]) -> None:
+    model = GPT(tiny_config(dropout=0.5)).train()
+    splits = {"train": data[0], "val": data[1]}
+    rng = torch.get_rng_state()
+    kw = dict(batch_size=4, context_length=8, eval_steps=3, seed=1)
+    first = estimate_loss(model, splits, **kw)  # type: ignore[arg-type]
+    assert first == estimate_loss(model, splits, **kw)  # type: ignore[arg-type]
+    assert set(first) == {"train", "val"} and model.training
+    assert torch.equal(rng, torch.get_rng_state())
+
+
+def test_train_accepts_a_model(data: tuple[np.ndarray, np.ndarray]) -> None:
+    model = GPT(tiny_config())
+    result = train(model, run_config(max_steps=2, warmup_steps=1), *data, progress=False)
+    assert result.model is model
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda d: train(tiny_config(), run_config(), d[0][:8], d[1], progress=False),
+         ValueError, r"train_data has 8 tokens; it needs more than context_length=8"),
+        (lambda d: train(tiny_config(), run_config(), *d, resume=True, progress=False),
+         ValueError, "resume=True needs out_dir"),
+        (lambda d: train(tiny_config(), run_config(), *d, stop_at=-1, progress=False),
+         ValueError, "stop_at must be"),
+        (lambda d: train("gpt", run_config(), *d, progress=False),
+         TypeError, "model must be a GPT or a GPTConfig"),
+        (lambda d: train(tiny_config(), {"lr": 1.0}, *d, progress=False),
+         TypeError, "config must be a TrainConfig"),
+    ],
+)
+def test_train_errors(data: tuple[np.ndarray, np.ndarray], call: object, error: type,
+                      message: str) -> None:
+    with pytest.raises(error, match=message):
+        call(data)  # type: ignore[operator]
+
+
+# ----- checkpoints ---------------------------------------------------------------------
+
+
+def test_checkpoint_is_atomic_and_safe_to_load(tmp_path: Path) -> None:
+    model = GPT(tiny_config())
+    opt = configure_optimizer(model, lr=1e-3, weight_decay=0.1)
+    from minigpt.train import History
+
+    path = save_checkpoint(tmp_path / "ck" / "checkpoint.pt", model, opt, run_config(), step=3,
+                           history=History(), batch_gen=torch.Generator().manual_seed(0))
+    assert sorted(p.name for p in path.parent.iterdir()) == ["checkpoint.pt"]  # no temp left
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask  # an ordinary file, not mkstemp's 0600
+    # Loadable with torch's safe unpickler: only tensors and plain containers inside.
+    raw = torch.load(path, weights_only=True)
+    assert raw["step"] == 3 and raw["model_config"] == model.config.model_dump()
+    assert load_checkpoint(tmp_path / "ck")["step"] == 3  # a directory works too
+
+
+def test_checkpoint_load_errors(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        load_checkpoint(tmp_path)
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="is not a readable checkpoint"):
+        load_checkpoint(tmp_path / "junk.pt")
+    torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match="is not a minigpt checkpoint"):
+        load_checkpoint(tmp_path / "other.pt")

@@ -1,0 +1,327 @@
+"""The book's figures: what they show (ticks, panels, colour limits, labels), what they refuse."""
+
+import math
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display: figures are inspected, never shown
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pytest
+import torch
+
+from minigpt import viz
+from minigpt.nn import causal_mask, scaled_dot_product_attention, sinusoidal_encoding
+
+
+@pytest.fixture(autouse=True)
+def _close_figures():
+    yield
+    plt.close("all")
+
+
+def _weights(batch: int, heads: int, length: int, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.softmax(torch.randn(batch, heads, length, length, generator=generator), dim=-1)
+
+
+def _panels(fig):
+    return [ax for ax in fig.axes if ax.images]
+
+
+def _colorbars(fig):
+    return [ax for ax in fig.axes if ax.get_label() == "<colorbar>"]
+
+
+def _labels(ticks):
+    return [t.get_text() for t in ticks]
+
+
+# ------------------------------------------------------------------------- attention heatmap
+
+def test_heatmap_panels_ticks_and_colour_range():
+    tokens = ["To", " be", ",", " or", "\n"]
+    fig = viz.attention_heatmap(_weights(2, 3, 5), tokens)
+    panels = _panels(fig)
+    assert len(panels) == 2 * 3
+    assert len(_colorbars(fig)) == 1  # one shared colour bar
+    shown = ["To", "␣be", ",", "␣or", "\\n"]
+    for ax in panels:
+        assert _labels(ax.get_xticklabels()) == shown  # keys across
+        assert _labels(ax.get_yticklabels()) == shown  # queries down
+        assert ax.images[0].get_clim() == (0.0, 1.0)
+        assert ax.get_xlabel().startswith("key") and ax.get_ylabel().startswith("query")
+        assert ax.get_title()
+    assert fig.get_suptitle() == "Attention weights"
+
+
+def test_heatmap_layout_is_batch_rows_by_head_columns():
+    w = _weights(2, 3, 4)
+    fig = viz.attention_heatmap(w, "abcd")
+    panels = _panels(fig)
+    # Row-major: panel b*H + h shows weights[b, h], queries down (row i of the image = query i).
+    for b in range(2):
+        for h in range(3):
+            ax = panels[b * 3 + h]
+            assert ax.get_title() == f"batch {b}, head {h}"
+            np.testing.assert_allclose(ax.images[0].get_array(), w[b, h].double().numpy())
+    rows = {round(ax.get_position().y0, 3) for ax in panels}
+    cols = {round(ax.get_position().x0, 3) for ax in panels}
+    assert len(rows) == 2 and len(cols) == 3
+
+
+def test_heatmap_accepts_lower_ranks_and_a_string_of_characters():
+    one_head = _weights(1, 1, 6)[0, 0]
+    fig = viz.attention_heatmap(one_head, "ab \ncd", titles=["only head"])
+    (ax,) = _panels(fig)
+    assert _labels(ax.get_xticklabels()) == ["a", "b", "␣", "\\n", "c", "d"]
+    assert ax.get_title() == "only head"
+    fig = viz.attention_heatmap(_weights(1, 4, 3)[0], ["x", "y", "z"])
+    assert len(_panels(fig)) == 4
+
+
+def test_heatmap_per_row_tokens_and_row_name():
+    fig = viz.attention_heatmap(_weights(2, 1, 3), [["a", "b", "c"], ["d", "e", "f"]],
+                                row_name="layer")
+    first, second = _panels(fig)
+    assert _labels(first.get_xticklabels()) == ["a", "b", "c"]
+    assert _labels(second.get_yticklabels()) == ["d", "e", "f"]
+    assert second.get_title() == "layer 1, head 0"
+
+
+def test_heatmap_of_causal_attention_has_an_empty_upper_triangle():
+    generator = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 5, 4, generator=generator) for _ in range(3))
+    _, w = scaled_dot_product_attention(q, k, v, causal_mask(5))
+    fig = viz.attention_heatmap(w, "hello")
+    for ax in _panels(fig):
+        image = np.asarray(ax.images[0].get_array())
+        assert np.all(np.triu(image, k=1) == 0.0)
+
+
+@pytest.mark.parametrize(
+    ("weights", "tokens", "message"),
+    [
+        (torch.rand(2, 2, 2, 3, 3), "abc", "rank 5"),
+        (torch.rand(3), "abc", "rank 1"),
+        (torch.rand(1, 1, 3, 4), "abc", "square"),
+        (torch.softmax(torch.randn(1, 1, 3, 3), -1), "abcd", "got 4 tokens"),
+        (torch.softmax(torch.randn(1, 1, 3, 3), -1), ["a", "b"], "got 2 tokens"),
+        (torch.randn(1, 1, 3, 3) * 5, "abc", r"\[0, 1\]"),
+        (torch.full((3, 3), float("nan")), "abc", "NaN"),
+        (torch.softmax(torch.randn(2, 1, 3, 3), -1), [["a", "b", "c"]], "B=2"),
+    ],
+)
+def test_heatmap_rejects_bad_input(weights, tokens, message):
+    with pytest.raises(ValueError, match=message):
+        viz.attention_heatmap(weights, tokens)
+
+
+def test_heatmap_rejects_wrong_types_and_titles():
+    w = _weights(1, 2, 3)
+    with pytest.raises(TypeError, match="torch.Tensor or a NumPy array"):
+        viz.attention_heatmap("not weights", "abc")
+    with pytest.raises(TypeError, match="strings"):
+        viz.attention_heatmap(w, [1, 2, 3])
+    with pytest.raises(ValueError, match="B\\*H = 2"):
+        viz.attention_heatmap(w, "abc", titles=["one"])
+    with pytest.raises(ValueError, match="panel_size"):
+        viz.attention_heatmap(w, "abc", panel_size=0)
+
+
+def test_display_token():
+    assert viz.display_token(" the") == "␣the"
+    assert viz.display_token("\n\n") == "\\n\\n"
+    assert viz.display_token("") == "∅"
+    with pytest.raises(TypeError):
+        viz.display_token(3)
+
+
+# ------------------------------------------------------------------ mean attention distance
+
+def test_mean_attention_distance_of_known_patterns():
+    length = 6
+    identity = torch.eye(length)  # every query looks at itself: distance 0
+    previous = torch.zeros(length, length)  # query i looks at i-1 (query 0 at itself)
+    previous[0, 0] = 1.0
+    previous[torch.arange(1, length), torch.arange(length - 1)] = 1.0
+    first = torch.zeros(length, length)  # every query looks at position 0: distance i
+    first[:, 0] = 1.0
+    weights = torch.stack([identity, previous, first])[None]  # (1, 3, T, T)
+    got = viz.mean_attention_distance(weights)
+    expected = torch.tensor([0.0, (length - 1) / length, sum(range(length)) / length],
+                            dtype=torch.float64)
+    assert got.shape == (3,)
+    torch.testing.assert_close(got, expected)
+
+
+def test_mean_attention_distance_of_uniform_causal_rows():
+    length = 5
+    causal = torch.tril(torch.ones(length, length))
+    uniform = causal / causal.sum(dim=-1, keepdim=True)
+    # Query i spreads over 0..i: mean distance i/2; averaged over i: (T-1)/4.
+    got = viz.mean_attention_distance(uniform.expand(3, 2, length, length))
+    torch.testing.assert_close(got, torch.full((2,), (length - 1) / 4, dtype=torch.float64))
+
+
+def test_mean_attention_distance_stacks_layers():
+    layers = [_weights(2, 4, 7, seed=s) for s in range(3)]
+    got = viz.mean_attention_distance(layers)
+    assert got.shape == (3, 4)
+    torch.testing.assert_close(got, viz.mean_attention_distance(torch.stack(layers)))
+    torch.testing.assert_close(got[1], viz.mean_attention_distance(layers[1]))
+
+
+def test_mean_attention_distance_rejects_bad_input():
+    with pytest.raises(ValueError, match=r"\(B, H, T, T\)"):
+        viz.mean_attention_distance(torch.rand(3, 3))
+    with pytest.raises(ValueError, match="sum to 1"):
+        viz.mean_attention_distance(torch.full((1, 1, 3, 3), 0.2))
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        viz.mean_attention_distance(torch.full((1, 1, 2, 2), 2.0))
+    with pytest.raises(ValueError, match="empty"):
+        viz.mean_attention_distance([])
+
+
+def test_attention_mass_on_positions_and_tokens():
+    length = 4
+    previous = torch.zeros(length, length)
+    previous[0, 0] = 1.0
+    previous[torch.arange(1, length), torch.arange(length - 1)] = 1.0
+    causal = torch.tril(torch.ones(length, length))
+    uniform = causal / causal.sum(dim=-1, keepdim=True)
+    weights = torch.stack([previous, uniform])[None]  # (1, 2, T, T)
+    prev_key = torch.diag(torch.ones(length - 1), -1).bool()  # key j = i - 1
+    got = viz.attention_mass(weights, prev_key)
+    # Query 0 has no previous key and is left out; the uniform head gives 1/(i+1) to it.
+    expected = torch.tensor([1.0, (1 / 2 + 1 / 3 + 1 / 4) / 3], dtype=torch.float64)
+    torch.testing.assert_close(got, expected)
+    # A property of the key tokens, (B, 1, T): position 2 is "a space".
+    is_space = torch.tensor([[False, False, True, False]])[:, None, :]
+    got = viz.attention_mass(weights, is_space)
+    # Every query counts (each has a key selected, even if it cannot see it yet).
+    torch.testing.assert_close(got, torch.tensor([0.25, (1 / 3 + 1 / 4) / 4],
+                                                 dtype=torch.float64))
+    stacked = viz.attention_mass([weights, weights], prev_key)
+    assert stacked.shape == (2, 2)
+
+
+def test_attention_mass_rejects_bad_masks():
+    weights = _weights(2, 1, 3)
+    with pytest.raises(TypeError, match="boolean"):
+        viz.attention_mass(weights, torch.ones(3, 3))
+    with pytest.raises(ValueError, match="broadcast"):
+        viz.attention_mass(weights, torch.ones(3, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="no key"):
+        viz.attention_mass(weights, torch.zeros(3, 3, dtype=torch.bool))
+
+
+def test_distance_bar_chart():
+    distances = torch.tensor([[0.5, 1.0, 2.0], [3.0, 0.2, 1.5]])
+    fig = viz.attention_distance_bars(distances)
+    (ax,) = fig.axes
+    heights = [p.get_height() for p in ax.patches]
+    assert sorted(heights) == sorted(distances.flatten().tolist())
+    assert _labels(ax.get_xticklabels()) == ["layer 0", "layer 1"]
+    assert ax.get_title() and ax.get_xlabel() == "layer" and "distance" in ax.get_ylabel()
+    assert not ax.lines
+    fig = viz.attention_distance_bars(distances, reference=2.5)
+    (line,) = fig.axes[0].lines
+    assert list(line.get_ydata()) == [2.5, 2.5]
+    with pytest.raises(ValueError, match="non-negative"):
+        viz.attention_distance_bars(torch.tensor([-1.0, 1.0]))
+
+
+# --------------------------------------------------------------------- positional encodings
+
+def test_positional_heatmap_is_positions_across_and_diverging_at_zero():
+    encoding = sinusoidal_encoding(96, 48)
+    fig = viz.positional_heatmap(encoding, title="Sinusoids")
+    ax = _panels(fig)[0]
+    image = np.asarray(ax.images[0].get_array())
+    assert image.shape == (48, 96)  # dimensions down, positions across
+    low, high = ax.images[0].get_clim()
+    assert low == -high and high == pytest.approx(1.0, abs=1e-6)
+    assert ax.images[0].get_cmap().name == viz.DIVERGING_CMAP
+    assert ax.get_title() == "Sinusoids" and ax.get_xlabel() == "position p"
+    assert ax.get_ylabel() == "dimension"
+    with pytest.raises(ValueError, match=r"\(T, D\)"):
+        viz.positional_heatmap(torch.zeros(2, 3, 4))
+
+
+def test_encoding_lines_draw_the_requested_dimensions():
+    encoding = sinusoidal_encoding(32, 8)
+    fig = viz.encoding_lines(encoding, [0, 1, 6], num_positions=16)
+    assert [ax.get_title() for ax in fig.axes] == ["dimension 0", "dimension 1", "dimension 6"]
+    for ax, d in zip(fig.axes, [0, 1, 6], strict=True):
+        x, y = ax.lines[0].get_data()
+        np.testing.assert_array_equal(x, np.arange(16))
+        np.testing.assert_allclose(y, encoding[:16, d].double().numpy())
+        assert ax.get_xlabel() == "position p" and ax.get_ylabel() == "value"
+    fig = viz.encoding_lines(encoding, [0, 1, 2], ncols=2)  # two rows, the last one short
+    assert len(fig.axes) == 3
+    assert len({round(ax.get_position().y0, 3) for ax in fig.axes}) == 2
+    with pytest.raises(ValueError, match="ncols"):
+        viz.encoding_lines(encoding, [0], ncols=0)
+    with pytest.raises(ValueError, match=r"in \[0, 8\)"):
+        viz.encoding_lines(encoding, [8])
+    with pytest.raises(ValueError, match="num_positions"):
+        viz.encoding_lines(encoding, [0], num_positions=33)
+    with pytest.raises(ValueError, match="non-empty"):
+        viz.encoding_lines(encoding, [])
+
+
+def test_cosine_similarity_matrix():
+    x = torch.tensor([[1.0, 0.0], [0.0, 2.0], [-3.0, 0.0], [1.0, 1.0]])
+    sim = viz.cosine_similarity_matrix(x)
+    expected = torch.tensor([[1, 0, -1, 1 / math.sqrt(2)], [0, 1, 0, 1 / math.sqrt(2)],
+                             [-1, 0, 1, -1 / math.sqrt(2)],
+                             [1 / math.sqrt(2), 1 / math.sqrt(2), -1 / math.sqrt(2), 1]],
+                            dtype=torch.float64)
+    torch.testing.assert_close(sim, expected)
+    with pytest.raises(ValueError, match="vector 1 is zero"):
+        viz.cosine_similarity_matrix(torch.tensor([[1.0, 0.0], [0.0, 0.0]]))
+    with pytest.raises(ValueError, match=r"\(N, D\)"):
+        viz.cosine_similarity_matrix(torch.ones(3))
+    with pytest.raises(ValueError, match="NaN"):
+        viz.cosine_similarity_matrix(torch.tensor([[1.0, float("nan")]]))
+
+
+def test_similarity_heatmap_side_by_side_with_shared_symmetric_limits():
+    a = viz.cosine_similarity_matrix(sinusoidal_encoding(10, 8))
+    b = viz.cosine_similarity_matrix(torch.randn(10, 8, generator=torch.Generator().manual_seed(0)))
+    fig = viz.similarity_heatmap([a, b], titles=["sinusoidal", "random"], title="Both")
+    panels = _panels(fig)
+    assert [ax.get_title() for ax in panels] == ["sinusoidal", "random"]
+    assert len(_colorbars(fig)) == 1
+    for ax in panels:
+        assert ax.images[0].get_clim() == (-1.0, 1.0)  # both have 1 on the diagonal
+        assert ax.get_xlabel() == "position" and ax.get_ylabel() == "position"
+    assert fig.get_suptitle() == "Both"
+    with pytest.raises(ValueError, match="square"):
+        viz.similarity_heatmap(torch.zeros(3, 4))
+    with pytest.raises(ValueError, match="2 strings"):
+        viz.similarity_heatmap([a, b], titles=["only one"])
+
+
+def test_line_plot_and_histogram():
+    fig = viz.line_plot([0, 1, 2], {"a": [1, 2, 3], "b": [3, 2, 1]}, title="t", xlabel="x",
+                        ylabel="y")
+    (ax,) = fig.axes
+    assert len(ax.lines) == 2 and ax.get_title() == "t" and ax.get_legend() is not None
+    with pytest.raises(ValueError, match="shape"):
+        viz.line_plot([0, 1], {"a": [1, 2, 3]}, title="t", xlabel="x", ylabel="y")
+    fig = viz.line_plot([0, 1], {"a": [1, 2], "b": [2, 1]}, title="t", xlabel="x", ylabel="y",
+                        styles={"a": {"linewidth": 6, "marker": None}})
+    wide, thin = fig.axes[0].lines
+    assert wide.get_linewidth() == 6 and wide.get_marker() in (None, "None", "")
+    assert thin.get_marker() == "o"
+    with pytest.raises(ValueError, match="not series labels"):
+        viz.line_plot([0, 1], {"a": [1, 2]}, title="t", xlabel="x", ylabel="y",
+                      styles={"c": {}})
+    fig = viz.histogram_plot({"D=4": np.linspace(-1, 1, 50)}, title="h", xlabel="cos")
+    (ax,) = fig.axes
+    assert ax.get_ylabel() == "density" and ax.get_xlabel() == "cos" and ax.patches
+    with pytest.raises(ValueError, match="empty"):
+        viz.histogram_plot({}, title="h", xlabel="cos")
