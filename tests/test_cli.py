@@ -49,7 +49,8 @@ def trained(tmp_path_factory: pytest.TempPathFactory, text_file: Path) -> Path:
 
 def test_train_writes_metrics_and_checkpoint(trained: Path) -> None:
     metrics = json.loads((trained / "metrics.json").read_text())
-    for key in ("final_train_loss", "final_val_loss", "median_step_ms", "tokens_per_second"):
+    for key in ("final_train_loss", "final_val_loss", "median_step_ms", "tokens_per_second",
+                "final_val_loss_full"):
         assert isinstance(metrics[key], float) and metrics[key] > 0, key
     assert metrics["steps"] == 6 and metrics["final_eval_step"] == 6
     assert metrics["model_config"]["d_model"] == 16

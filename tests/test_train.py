@@ -17,6 +17,7 @@ from minigpt.train import (
     TrainConfig,
     configure_optimizer,
     estimate_loss,
+    full_loss,
     load_checkpoint,
     lr_at,
     save_checkpoint,
@@ -216,6 +217,24 @@ def test_estimate_loss_is_repeatable_and_leaves_state_alone(
     assert first == estimate_loss(model, splits, **kw)  # type: ignore[arg-type]
     assert set(first) == {"train", "val"} and model.training
     assert torch.equal(rng, torch.get_rng_state())
+
+
+def test_full_loss_scores_every_window_once(data: tuple[np.ndarray, np.ndarray]) -> None:
+    model = GPT(tiny_config()).train()
+    val = data[1][:83]  # 10 windows of T = 8, plus 2 tokens of which only 1 is a target
+    by_hand = []
+    with torch.no_grad():
+        model.eval()
+        for i in range(0, 80, 8):
+            x = torch.tensor(val[i:i + 8], dtype=torch.long)[None]
+            y = torch.tensor(val[i + 1:i + 9], dtype=torch.long)
+            by_hand.append(torch.nn.functional.cross_entropy(model(x)[0], y).item())
+        model.train()
+    assert full_loss(model, val, batch_size=3) == pytest.approx(sum(by_hand) / 10, rel=1e-6)
+    assert full_loss(model, val, batch_size=64) == pytest.approx(sum(by_hand) / 10, rel=1e-6)
+    assert model.training
+    with pytest.raises(ValueError, match="full_loss needs more than T=8"):
+        full_loss(model, val[:8])
 
 
 def test_train_accepts_a_model(data: tuple[np.ndarray, np.ndarray]) -> None:
