@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from minigpt.cli import main
 from minigpt.sample import load_model
@@ -23,13 +21,8 @@ TINY = ["--n-layers", "1", "--n-heads", "2", "--d-model", "16", "--context-lengt
         "--eval-steps", "2", "--no-progress"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # Tiny models gain nothing from intra-op threads; on a busy machine they cost a lot.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# Tiny models gain nothing from intra-op threads (see conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
@@ -16,14 +15,8 @@ from minigpt.generate import apply_temperature, generate, top_k_filter, top_p_fi
 V = 16
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # Tensors this small gain nothing from intra-op threads, and on a busy machine idle
-    # OpenMP workers waiting for a core make each step many times slower.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# Tiny models gain nothing from intra-op threads (see conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -10,13 +10,12 @@ re-baseline with `make baseline` and review the diff.
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
-from types import ModuleType
 
 import nbformat
 import pytest
+from helpers import load_baseline_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 REBASELINE = (
@@ -25,15 +24,8 @@ REBASELINE = (
 )
 
 
-def _load_baseline_tool() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("baseline", ROOT / "tools" / "baseline.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
-
-baseline = _load_baseline_tool()
+baseline = load_baseline_tool()
 CHAPTERS = baseline.notebook_chapters()
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import http.server
-import importlib.util
 import os
 import re
 import shutil
@@ -26,11 +25,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from html.parser import HTMLParser
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 from urllib.parse import urldefrag, urljoin, urlsplit
 
 import pytest
+from helpers import load_baseline_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 # The book to check; another folder with the same layout only for trying the
@@ -49,16 +48,9 @@ DISPLAY_MATH = re.compile(r"^\s*(?:\$\$|\\begin\{|(?:`{3,}|:{3,})\{math\})", re.
 BIBLIOGRAPHY_DIRECTIVE = re.compile(r"^\s*(?:`{3,}|:{3,})\{bibliography\}", re.MULTILINE)
 
 
-def _load_baseline_tool() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("baseline", ROOT / "tools" / "baseline.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def _toc_entries() -> list[str]:
-    tool = _load_baseline_tool()
+    tool = load_baseline_tool()
     return list(tool.toc_files(BOOK_ROOT / "_toc.yml"))
 
 

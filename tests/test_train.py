@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -27,14 +26,8 @@ from minigpt.train import (
 V = 12
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # Tensors this small gain nothing from intra-op threads, and on a busy machine idle
-    # OpenMP workers waiting for a core make each step many times slower.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# Tiny models gain nothing from intra-op threads (see conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_config(**overrides: object) -> GPTConfig:
