@@ -325,3 +325,25 @@ def test_line_plot_and_histogram():
     assert ax.get_ylabel() == "density" and ax.get_xlabel() == "cos" and ax.patches
     with pytest.raises(ValueError, match="empty"):
         viz.histogram_plot({}, title="h", xlabel="cos")
+
+
+def test_architecture_diagram_names_every_stage_and_fills_in_sizes() -> None:
+    from minigpt import GPTConfig
+
+    texts = lambda fig: " ".join(t.get_text() for t in fig.axes[0].texts)  # noqa: E731
+    symbolic = viz.architecture_diagram()
+    words = texts(symbolic)
+    for stage in ("token embedding", "position embedding", "LayerNorm  ln_1",
+                  "masked multi-head attention", "feed-forward", "final LayerNorm",
+                  "LM head", "softmax", "residual"):
+        assert stage in words, stage
+    assert "x L" in words and symbolic.axes[0].get_title()
+    sized = texts(viz.architecture_diagram(GPTConfig.gpt2("small")))
+    assert "(50257 x 768)" in sized and "H = 12" in sized and "L = 12" in sized
+    assert "d_ff = 3072" in sized and "(B, T, 50257)" in sized
+    plt.close("all")
+
+
+def test_architecture_diagram_rejects_other_configs() -> None:
+    with pytest.raises(TypeError, match="config must be a GPTConfig or None, got dict"):
+        viz.architecture_diagram({"d_model": 4})
