@@ -67,10 +67,12 @@ def test_positional_modules():
     assert learned.weight.requires_grad
 
 
+@pytest.mark.parametrize("use_fused", [False, True])
 @pytest.mark.parametrize("bias", [True, False])
-def test_layer_norm_matches_pytorch(bias):
+def test_layer_norm_matches_pytorch(bias, use_fused):
     torch.manual_seed(0)
     ours = LayerNorm(32, eps=1e-5, bias=bias)
+    ours.use_fused = use_fused
     theirs = torch.nn.LayerNorm(32, eps=1e-5, bias=bias)
     with torch.no_grad():
         ours.weight.normal_()
@@ -87,9 +89,25 @@ def test_layer_norm_matches_pytorch(bias):
     assert torch.allclose(x1.grad, x2.grad, atol=1e-4)
 
 
+def test_layer_norm_written_out_and_fused_paths_agree():
+    torch.manual_seed(1)
+    norm = LayerNorm(48)
+    with torch.no_grad():
+        norm.weight.normal_()
+        norm.bias.normal_()
+    x = torch.randn(3, 5, 48) * 10 - 4
+    assert norm.use_fused  # the default is PyTorch's kernel
+    fused = norm(x)
+    norm.use_fused = False
+    written = norm(x)
+    assert torch.allclose(fused, written, atol=1e-5)
+
+
 def test_layer_norm_eps_inside_the_root_matters_for_tiny_variance():
     x = torch.tensor([[1.0, 1.0 + 1e-3, 1.0 - 1e-3, 1.0]])
-    ours = LayerNorm(4)(x)
+    norm = LayerNorm(4)
+    norm.use_fused = False  # the written-out formula, not PyTorch's kernel
+    ours = norm(x)
     reference = F.layer_norm(x, (4,), eps=1e-5)
     wrong = (x - x.mean(-1, keepdim=True)) / (x.std(-1, unbiased=False, keepdim=True) + 1e-5)
     assert torch.allclose(ours, reference, atol=1e-5)

@@ -122,6 +122,12 @@ class LayerNorm(nn.Module):
     root. gamma (``weight``) and beta (``bias``) are shared by all positions.
 
     Shapes: (..., D) -> (..., D).
+
+    ``use_fused`` (the default) hands the same computation to PyTorch's one
+    kernel, `torch.nn.functional.layer_norm`, which is several times faster
+    than the seven separate operations below and their backward passes. Set
+    it to False to run the formula as written; the two agree to float
+    rounding (tests/test_nn.py checks both against `torch.nn.LayerNorm`).
     """
 
     def __init__(self, d_model: int, eps: float = 1e-5, bias: bool = True) -> None:
@@ -129,8 +135,11 @@ class LayerNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(d_model))
         self.bias = nn.Parameter(torch.zeros(d_model)) if bias else None
+        self.use_fused = True
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.use_fused:
+            return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
         mean = x.mean(dim=-1, keepdim=True)
         var = (x - mean).pow(2).mean(dim=-1, keepdim=True)
         x_hat = (x - mean) * torch.rsqrt(var + self.eps)
