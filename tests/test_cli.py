@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from minigpt.cli import main
+from minigpt.generate import beam_search
 from minigpt.sample import load_model
 from minigpt.train import load_checkpoint
 
@@ -147,6 +148,20 @@ def test_sample_greedy_and_several_samples(trained: Path,
     assert one == two and one.startswith("The")
 
 
+def test_sample_beams_and_no_cache(trained: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["sample", "--checkpoint", str(trained), "--prompt", "ROMEO", "--max-new-tokens", "12"]
+    model, tokenizer, _ = load_model(trained)
+    best = beam_search(model, tokenizer.encode("ROMEO"), 12, num_beams=3).sequences[0]
+    assert main([*base, "--beams", "3"]) == 0
+    assert capsys.readouterr().out == tokenizer.decode(best.tolist()) + "\n"
+    assert main([*base, "--beams", "3", "--no-cache"]) == 0
+    assert capsys.readouterr().out == tokenizer.decode(best.tolist()) + "\n"
+    assert main([*base, "--seed", "2"]) == 0
+    cached = capsys.readouterr().out
+    assert main([*base, "--seed", "2", "--no-cache"]) == 0
+    assert capsys.readouterr().out == cached  # the cache changes the speed, not the text
+
+
 def test_load_model(trained: Path) -> None:
     model, tokenizer, step = load_model(trained)
     assert step == 6 and not model.training and tokenizer.decode(tokenizer.encode("ROMEO")) == (
@@ -219,6 +234,10 @@ def test_resume_refuses_new_settings(trained: Path, capsys: pytest.CaptureFixtur
         (["--prompt", "a", "--max-new-tokens", "-3"], ["max_new_tokens must be >= 0"]),
         (["--prompt", "a", "--num-samples", "0"], ["--num-samples must be >= 1"]),
         (["--prompt", "a", "--device", "abc"], ["--device 'abc' is not a torch device"]),
+        (["--prompt", "a", "--beams", "0"], ["--beams must be >= 1, got 0"]),
+        (["--prompt", "a", "--beams", "2", "--top-k", "3", "--temperature", "1"],
+         ["--beams searches", "does not sample; drop --temperature, --top-k"]),
+        (["--prompt", "a", "--beams", "2", "--num-samples", "2"], ["drop --num-samples"]),
     ],
 )
 def test_sample_errors(trained: Path, capsys: pytest.CaptureFixture[str], extra: list[str],

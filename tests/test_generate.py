@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from types import SimpleNamespace
 
@@ -10,7 +11,13 @@ import torch
 from torch import Tensor, nn
 
 from minigpt import GPT, GPTConfig
-from minigpt.generate import apply_temperature, generate, top_k_filter, top_p_filter
+from minigpt.generate import (
+    apply_temperature,
+    beam_search,
+    generate,
+    top_k_filter,
+    top_p_filter,
+)
 
 V = 16
 
@@ -205,7 +212,7 @@ def test_seeded_sampling_is_reproducible(model: GPT) -> None:
 
 def test_prompt_longer_than_the_context_is_cropped() -> None:
     stub = FixedLogits([0.0, 5.0, 1.0], context_length=3)
-    out = generate(stub, [0, 0, 0, 0, 0], 4, greedy=True)
+    out = generate(stub, [0, 0, 0, 0, 0], 4, greedy=True, use_cache=False)
     assert out.tolist() == [0, 0, 0, 0, 0, 1, 1, 1, 1]
     assert stub.seen_lengths == [3, 3, 3, 3]
 
@@ -217,7 +224,8 @@ def test_sampling_frequencies_follow_the_filtered_distribution() -> None:
     prompt = torch.zeros(4000, 1, dtype=torch.long)
 
     def freqs(**kw: object) -> list[float]:
-        drawn = generate(stub, prompt, 1, generator=g, **kw)[:, -1]  # type: ignore[arg-type]
+        drawn = generate(stub, prompt, 1, generator=g, use_cache=False,
+                         **kw)[:, -1]  # type: ignore[arg-type]
         return (torch.bincount(drawn, minlength=4).float() / len(drawn)).tolist()
 
     assert freqs() == pytest.approx([0.1, 0.2, 0.3, 0.4], abs=0.03)
@@ -303,3 +311,193 @@ def test_bad_max_new_tokens(model: GPT, n: object, error: type) -> None:
     with pytest.raises(error, match="max_new_tokens must"):
         generate(model, [1], n)  # type: ignore[arg-type]
 
+
+
+# ----- the key-value cache -------------------------------------------------------------
+
+
+class Spy(GPT):
+    """A GPT that records how many tokens each forward pass reads."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__(config)
+        self.read: list[int] = []
+
+    def forward(self, input_ids: Tensor, **kwargs: object) -> Tensor:  # type: ignore[override]
+        self.read.append(input_ids.shape[1])
+        return super().forward(input_ids, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("prompt_len", [1, 3, 8, 11])
+@pytest.mark.parametrize("sampling", [{"greedy": True}, {"temperature": 1.3, "top_k": 9},
+                                      {"top_p": 0.8}])
+def test_cache_gives_the_same_tokens(model: GPT, prompt_len: int,
+                                     sampling: dict[str, object]) -> None:
+    # T_max = 8: the longer runs slide the window and the prompt of 11 starts beyond it.
+    prompt = torch.randint(0, V, (3, prompt_len), generator=torch.Generator().manual_seed(7))
+    outs = [generate(model, prompt, 12, use_cache=use_cache,
+                     generator=torch.Generator().manual_seed(8), **sampling)  # type: ignore[arg-type]
+            for use_cache in (True, False)]
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_cache_reads_each_token_once_while_the_sequence_fits() -> None:
+    torch.manual_seed(0)
+    spy = Spy(GPTConfig.debug(vocab_size=V)).eval()  # T_max = 8
+    generate(spy, [1, 2, 3], 7, greedy=True)
+    # the prompt of 3, then one token per step up to 8 tokens; at 9 the window slides and
+    # all 8 of its tokens are read again
+    assert spy.read == [3, 1, 1, 1, 1, 1, 8]
+    spy.read.clear()
+    generate(spy, [1, 2, 3], 7, greedy=True, use_cache=False)
+    assert spy.read == [3, 4, 5, 6, 7, 8, 8]
+
+
+def test_use_cache_needs_a_model_that_can_keep_one() -> None:
+    stub = FixedLogits([0.0, 1.0])
+    with pytest.raises(TypeError, match="FixedLogits has no new_cache.*pass use_cache=False"):
+        generate(stub, [0], 2)
+
+
+def test_use_cache_must_be_a_bool(model: GPT) -> None:
+    with pytest.raises(TypeError, match="use_cache must be a bool, got int"):
+        generate(model, [1], 2, use_cache=1)  # type: ignore[arg-type]
+
+
+# ----- beam search ---------------------------------------------------------------------
+
+
+def _continuation_log_prob(model: GPT, seq: list[int], prompt_len: int, upto: int) -> float:
+    """log p(seq[prompt_len:prompt_len + upto] | prompt) by one plain forward pass."""
+    with torch.no_grad():
+        log_p = torch.log_softmax(model(torch.tensor([seq]))[0].double(), dim=-1)
+    return sum(float(log_p[t - 1, seq[t]]) for t in range(prompt_len, prompt_len + upto))
+
+
+def test_package_exports_beam_search() -> None:
+    import minigpt
+
+    assert minigpt.beam_search is beam_search
+
+
+def test_one_beam_is_greedy(model: GPT) -> None:
+    result = beam_search(model, [4, 5], 10, num_beams=1)
+    assert torch.equal(result.sequences[0], generate(model, [4, 5], 10, greedy=True))
+    assert result.sequences.shape == (1, 12)
+
+
+def test_wide_enough_beams_find_the_most_likely_continuation() -> None:
+    torch.manual_seed(3)
+    tiny = GPT(GPTConfig(vocab_size=5, context_length=8, d_model=8, n_heads=2,
+                         n_layers=1)).eval()
+    prompt, n = [1, 2], 3
+    every = {cont: _continuation_log_prob(tiny, prompt + list(cont), 2, n)
+             for cont in itertools.product(range(5), repeat=n)}
+    ranked = sorted(every, key=every.__getitem__, reverse=True)
+    result = beam_search(tiny, prompt, n, num_beams=5 ** (n - 1))  # nothing pruned early
+    assert tuple(result.sequences[0, 2:].tolist()) == ranked[0]
+    # the 25 beams are the 25 most likely of all 125 continuations, in order
+    assert [tuple(s[2:]) for s in result.sequences.tolist()] == ranked[:25]
+    assert result.log_probs[0].item() == pytest.approx(every[ranked[0]], abs=1e-5)
+
+
+def test_beam_log_probs_are_the_models(model: GPT) -> None:
+    result = beam_search(model, [3, 1, 4], 6, num_beams=4)  # 9 tokens > T_max: slides
+    assert result.sequences.shape == (4, 9)
+    assert torch.all(result.scores[:-1] >= result.scores[1:])  # best first
+    for seq, log_p in zip(result.sequences.tolist(), result.log_probs.tolist(), strict=True):
+        # the window slides beyond T_max = 8, so score the sequence as the search read it
+        expected = 0.0
+        for t in range(3, 9):
+            window = seq[max(0, t - 8):t]
+            with torch.no_grad():
+                row = torch.log_softmax(model(torch.tensor([window]))[0, -1].double(), dim=-1)
+            expected += float(row[seq[t]])
+        assert log_p == pytest.approx(expected, abs=1e-4)
+    assert len({tuple(s) for s in result.sequences.tolist()}) == 4  # distinct hypotheses
+
+
+def test_beam_search_with_and_without_cache_agree(model: GPT) -> None:
+    kwargs: dict[str, object] = {"num_beams": 3, "eos_id": 0, "length_penalty": 0.7}
+    with_cache = beam_search(model, [2, 9], 9, **kwargs)  # type: ignore[arg-type]
+    without = beam_search(model, [2, 9], 9, use_cache=False, **kwargs)  # type: ignore[arg-type]
+    assert torch.equal(with_cache.sequences, without.sequences)
+    assert torch.allclose(with_cache.scores, without.scores, atol=1e-5)
+
+
+def test_eos_ends_a_hypothesis() -> None:
+    torch.manual_seed(5)
+    tiny = GPT(GPTConfig(vocab_size=4, context_length=8, d_model=8, n_heads=2,
+                         n_layers=1)).eval()
+    result = beam_search(tiny, [1], 5, num_beams=6, eos_id=0)
+    assert result.sequences.shape[1] == 6
+    for seq, length, log_p in zip(result.sequences.tolist(), result.lengths.tolist(),
+                                  result.log_probs.tolist(), strict=True):
+        new = seq[1:]
+        if 0 in new:  # ended: length counts up to the first eos, the rest is eos padding
+            assert length == new.index(0) + 1 and set(new[length:]) <= {0}
+        else:
+            assert length == 5
+        assert log_p == pytest.approx(_continuation_log_prob(tiny, seq, 1, length), abs=1e-5)
+    # alpha = 0 ranks by total log-probability, alpha = 1 by the mean per token
+    for alpha in (0.0, 1.0):
+        ranked = beam_search(tiny, [1], 5, num_beams=6, eos_id=0, length_penalty=alpha)
+        expected = ranked.log_probs / ranked.lengths.double() ** alpha
+        assert torch.allclose(ranked.scores.double(), expected, atol=1e-6)
+        assert torch.all(ranked.scores[:-1] >= ranked.scores[1:])
+
+
+def test_all_beams_ending_early_are_padded_with_eos() -> None:
+    stub = GPT(GPTConfig(vocab_size=3, context_length=8, d_model=8, n_heads=2, n_layers=1))
+    with torch.no_grad():  # make eos (id 2) by far the most likely token everywhere
+        stub.lm_head.weight.zero_()
+        stub.ln_f.bias.zero_()
+        stub.ln_f.weight.zero_()
+        stub.ln_f.bias[0] = 1.0
+        stub.wte.weight[2, 0] = 50.0  # tied: the head scores token 2 at 50, the others 0
+    result = beam_search(stub, [0], 4, num_beams=1, eos_id=2)
+    assert result.sequences.tolist() == [[0, 2, 2, 2, 2]]
+    assert result.lengths.tolist() == [1]
+
+
+def test_beam_search_keeps_inputs_and_mode(model: GPT) -> None:
+    prompt = torch.tensor([1, 2, 3])
+    model.train()
+    beam_search(model, prompt, 3, num_beams=2)
+    assert model.training and torch.equal(prompt, torch.tensor([1, 2, 3]))
+    model.eval()
+    assert beam_search(model, prompt, 0, num_beams=3).sequences.tolist() == [[1, 2, 3]]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"num_beams": 0}, ValueError, "num_beams must be >= 1, got 0"),
+        ({"num_beams": 2.0}, TypeError, "num_beams must be an int"),
+        ({"num_beams": 2, "eos_id": V}, ValueError, rf"eos_id must lie in \[0, {V}\), got {V}"),
+        ({"num_beams": 2, "eos_id": "x"}, TypeError, "eos_id must be an int"),
+        ({"num_beams": 2, "length_penalty": float("inf")}, ValueError,
+         "length_penalty must be finite"),
+        ({"num_beams": 2, "use_cache": None}, TypeError, "use_cache must be a bool"),
+    ],
+)
+def test_bad_beam_search_arguments(model: GPT, kwargs: dict[str, object], error: type,
+                                   message: str) -> None:
+    with pytest.raises(error, match=message):
+        beam_search(model, [1, 2], 3, **kwargs)  # type: ignore[arg-type]
+
+
+def test_beam_search_takes_one_prompt(model: GPT) -> None:
+    with pytest.raises(ValueError, match=r"one prompt of shape \(T,\), got \(2, 2\)"):
+        beam_search(model, [[1, 2], [3, 4]], 3, num_beams=2)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 0"):
+        beam_search(model, [1], -1, num_beams=2)
+
+
+def test_generation_benchmark_tool_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    from helpers import load_tool
+
+    bench = load_tool("bench_generate")
+    assert bench.main(["--models", "book", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "book: prompt 8 + 56 new tokens" in out and "same tokens: True" in out

@@ -5,8 +5,8 @@ Data flows one way through the modules: `tokenizer` -> `data` -> `nn` ->
 """
 
 from minigpt.config import GPTConfig, seed_all
-from minigpt.generate import generate
+from minigpt.generate import beam_search, generate
 from minigpt.model import GPT
 
-__all__ = ["GPT", "GPTConfig", "generate", "seed_all"]
+__all__ = ["GPT", "GPTConfig", "beam_search", "generate", "seed_all"]
 __version__ = "0.1.0"

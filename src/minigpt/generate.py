@@ -1,20 +1,31 @@
-"""Sampling text from a GPT, one token at a time.
+"""Sampling text from a GPT, one token at a time, and beam search.
 
 Each step crops the sequence to the model's context, reads the logits of the
 last position (B, V), reshapes that distribution (temperature, top-k, top-p)
 and draws the next token, which is appended. The three filters are public
 functions of their own so that the sampling chapter can show and plot each
 one; none of them modifies its input.
+
+Both `generate` and `beam_search` keep a key-value cache by default: the
+model reads the prompt once and then only the one new token per step,
+instead of the whole sequence again. While the sequence fits the context the
+tokens are the same with and without the cache (up to float rounding in the
+logits). Once it is longer than ``context_length`` the window slides, every
+kept token moves to a new position, and the cache is rebuilt from the cropped
+window at each step, exactly as the uncached loop does it.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
+
+from minigpt.model import GPT
+from minigpt.nn import KVCache
 
 _INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
@@ -106,6 +117,36 @@ def top_p_filter(logits: Tensor, p: float) -> Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+def _check_model(model: nn.Module, use_cache: object) -> Any:
+    config: Any = getattr(model, "config", None)
+    if not isinstance(model, nn.Module) or config is None:
+        raise TypeError(f"model must be a GPT (an nn.Module with a .config), got "
+                        f"{type(model).__name__}")
+    if not isinstance(use_cache, bool):
+        raise TypeError(f"use_cache must be a bool, got {type(use_cache).__name__}")
+    if use_cache and not callable(getattr(model, "new_cache", None)):
+        raise TypeError(f"{type(model).__name__} has no new_cache() method, so it cannot keep "
+                        "a key-value cache; pass use_cache=False")
+    return config
+
+
+def _next_logits(model: nn.Module, seq: Tensor, context_length: int,
+                 cache: KVCache | None) -> Tensor:
+    """Logits (B, V) of the token after ``seq`` (B, T), reading at most ``context_length``."""
+    if cache is None:
+        window = seq[:, -context_length:]  # the whole cropped window
+        # A GPT can skip the head for every position but the last.
+        logits: Tensor = model(window, last_only=True) if isinstance(model, GPT) else model(window)
+    else:
+        if seq.shape[1] > context_length or cache.length >= seq.shape[1]:
+            # The window slid (every position changed) or the cache is ahead of seq:
+            # nothing stored can be reused, so read the cropped window afresh.
+            cache.reset()
+        new = seq[:, cache.length:][:, -context_length:]  # the tokens the cache lacks
+        logits = model(new, cache=cache, last_only=True)
+    return logits[:, -1, :].float()
+
+
 def _prompt_tensor(prompt_ids: Tensor | Sequence[int] | Sequence[Sequence[int]],
                    vocab_size: int) -> Tensor:
     if isinstance(prompt_ids, Tensor):
@@ -147,6 +188,7 @@ def generate(
     top_p: float | None = None,
     greedy: bool = False,
     generator: torch.Generator | None = None,
+    use_cache: bool = True,
 ) -> Tensor:
     """Extend each prompt by ``max_new_tokens`` tokens drawn from the model.
 
@@ -161,16 +203,15 @@ def generate(
         greedy: always take the most likely token (ignores the three above).
         generator: the torch.Generator that ``torch.multinomial`` draws from,
             for reproducible samples.
+        use_cache: keep a key-value cache (``model.new_cache()``), so that
+            each step reads one new token instead of the whole context.
 
     Returns:
         A new tensor of the prompt's rank, (T + N,) or (B, T + N), on the
         model's device. The prompt is not modified; the model is put in eval
         mode for the call and given back in the mode it was in.
     """
-    config: Any = getattr(model, "config", None)
-    if not isinstance(model, nn.Module) or config is None:
-        raise TypeError(f"model must be a GPT (an nn.Module with a .config), got "
-                        f"{type(model).__name__}")
+    config = _check_model(model, use_cache)
     ids = _prompt_tensor(prompt_ids, config.vocab_size)
     max_new_tokens = _check_int("max_new_tokens", max_new_tokens)
     if max_new_tokens < 0:
@@ -197,12 +238,12 @@ def generate(
     seq = ids.to(device=device, dtype=torch.long, copy=True)  # (B, T)
     if squeeze:
         seq = seq.unsqueeze(0)
+    cache: KVCache | None = model.new_cache() if use_cache else None  # type: ignore[operator]
     was_training = model.training
     model.eval()
     try:
         for _ in range(max_new_tokens):
-            context = seq[:, -config.context_length:]  # (B, min(T, T_max))
-            logits = model(context)[:, -1, :].float()  # (B, V): scores for the next token
+            logits = _next_logits(model, seq, config.context_length, cache)  # (B, V)
             if greedy or tau == 0.0:
                 next_id = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
             else:
@@ -217,3 +258,115 @@ def generate(
     finally:
         model.train(was_training)
     return seq[0] if squeeze else seq
+
+
+class BeamSearchResult(NamedTuple):
+    """The hypotheses `beam_search` ends with, best first.
+
+    Attributes:
+        sequences: (K, T + N) ids, the prompt followed by the new tokens; a
+            hypothesis that produced ``eos_id`` early is padded with it.
+        scores: (K,) the ranking score, ``log_probs / lengths ** length_penalty``.
+        log_probs: (K,) log-probability of the new tokens given the prompt,
+            up to and including the first ``eos_id``.
+        lengths: (K,) how many new tokens that log-probability covers.
+    """
+
+    sequences: Tensor
+    scores: Tensor
+    log_probs: Tensor
+    lengths: Tensor
+
+
+@torch.no_grad()
+def beam_search(
+    model: nn.Module,
+    prompt_ids: Tensor | Sequence[int],
+    max_new_tokens: int,
+    *,
+    num_beams: int,
+    length_penalty: float = 0.0,
+    eos_id: int | None = None,
+    use_cache: bool = True,
+) -> BeamSearchResult:
+    """Search for a likely continuation by keeping the ``num_beams`` best prefixes.
+
+    Each step extends every kept prefix (a beam) by every token of the
+    vocabulary, scores each of the K x V candidates by its total
+    log-probability log p(y_1..y_t | prompt), and keeps the K best. With
+    K = 1 this is greedy decoding; with K >= V^(N-1) nothing is ever pruned
+    before the last step and the result is the most likely continuation of
+    all V^N. A beam that emits ``eos_id`` is finished: it keeps its
+    log-probability and competes with the others unchanged. At the end the
+    beams are ranked by ``log_probs / lengths ** length_penalty`` (0: by total
+    log-probability, which favours short hypotheses when ``eos_id`` is given;
+    1: by mean log-probability per token).
+
+    Args:
+        model: a GPT.
+        prompt_ids: one prompt, (T,) ids or a list of ints.
+        max_new_tokens: N >= 0.
+        num_beams: K >= 1.
+        length_penalty: alpha, a finite number.
+        eos_id: a token id that ends a hypothesis, or None.
+        use_cache: keep one key-value cache for all beams, reordered as they
+            are selected.
+
+    Returns:
+        A `BeamSearchResult` with min(K, number of distinct hypotheses)
+        rows, best first.
+    """
+    config = _check_model(model, use_cache)
+    ids = _prompt_tensor(prompt_ids, config.vocab_size)
+    if ids.dim() != 1:
+        raise ValueError(f"beam_search takes one prompt of shape (T,), got {tuple(ids.shape)}; "
+                         "search each prompt of a batch on its own")
+    max_new_tokens = _check_int("max_new_tokens", max_new_tokens)
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    num_beams = _check_int("num_beams", num_beams)
+    if num_beams < 1:
+        raise ValueError(f"num_beams must be >= 1, got {num_beams}")
+    alpha = _check_real("length_penalty", length_penalty)
+    if eos_id is not None:
+        eos_id = _check_int("eos_id", eos_id)
+        if not 0 <= eos_id < config.vocab_size:
+            raise ValueError(f"eos_id must lie in [0, {config.vocab_size}), got {eos_id}")
+
+    device = next(model.parameters()).device
+    seq = ids.to(device=device, dtype=torch.long, copy=True).unsqueeze(0)  # (1, T): one beam
+    log_probs = torch.zeros(1, device=device)  # (K,)
+    lengths = torch.zeros(1, dtype=torch.long, device=device)  # (K,)
+    done = torch.zeros(1, dtype=torch.bool, device=device)  # (K,)
+    cache: KVCache | None = model.new_cache() if use_cache else None  # type: ignore[operator]
+    was_training = model.training
+    model.eval()
+    try:
+        for _ in range(max_new_tokens):
+            if bool(done.all()):
+                break
+            step = torch.log_softmax(_next_logits(model, seq, config.context_length, cache), -1)
+            if eos_id is not None and bool(done.any()):
+                # A finished beam can only repeat eos, at no cost: its score stays as it is.
+                step[done] = float("-inf")
+                step[done, eos_id] = 0.0
+            candidates = (log_probs[:, None] + step).flatten()  # (K * V,)
+            width = min(num_beams, int(torch.isfinite(candidates).sum()))
+            best = torch.topk(candidates, width)  # sorted, best first
+            beam = best.indices // config.vocab_size  # (K,): which prefix each extends
+            token = best.indices % config.vocab_size  # (K,): by which token
+            seq = torch.cat([seq[beam], token[:, None]], dim=1)
+            lengths = lengths[beam] + (~done[beam]).long()
+            done = done[beam] | (token == eos_id) if eos_id is not None else done[beam]
+            log_probs = best.values
+            if cache is not None:
+                cache.reorder(beam)
+    finally:
+        model.train(was_training)
+    missing = ids.shape[0] + max_new_tokens - seq.shape[1]
+    if missing > 0:  # every beam finished early: pad with eos
+        assert eos_id is not None
+        seq = torch.cat([seq, seq.new_full((seq.shape[0], missing), eos_id)], dim=1)
+    scores = log_probs / lengths.clamp(min=1).float() ** alpha
+    order = torch.argsort(scores, descending=True, stable=True)
+    return BeamSearchResult(seq[order], scores[order], log_probs[order], lengths[order])

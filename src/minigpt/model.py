@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from minigpt.config import GPTConfig
 from minigpt.nn import (
     Block,
+    KVCache,
     LayerNorm,
     LearnedPositionalEmbedding,
     SinusoidalPositionalEncoding,
@@ -79,7 +80,11 @@ class GPT(nn.Module):
             total -= self.wpe.weight.numel()
         return total
 
-    def _check_ids(self, input_ids: Tensor) -> None:
+    def new_cache(self) -> KVCache:
+        """An empty `KVCache` for this model: one layer cache per block, T_max positions each."""
+        return KVCache(self.config.n_layers, self.config.context_length)
+
+    def _check_ids(self, input_ids: Tensor, cache: KVCache | None = None) -> None:
         if not isinstance(input_ids, Tensor):
             raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
         if input_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
@@ -92,12 +97,29 @@ class GPT(nn.Module):
         length = input_ids.shape[1]
         if length == 0:
             raise ValueError("input_ids is empty: T must be at least 1")
-        if length > self.config.context_length:
+        if cache is None and length > self.config.context_length:
             raise ValueError(
                 f"sequence length T={length} exceeds context_length="
                 f"{self.config.context_length}; crop the input to its last "
                 f"{self.config.context_length} tokens"
             )
+        if cache is not None:
+            if not isinstance(cache, KVCache):
+                raise TypeError(f"cache must be a KVCache (from model.new_cache()), got "
+                                f"{type(cache).__name__}")
+            if len(cache.layers) != self.config.n_layers:
+                raise ValueError(f"the cache has {len(cache.layers)} layers, the model "
+                                 f"{self.config.n_layers}; make it with model.new_cache()")
+            if cache.length + length > self.config.context_length:
+                raise ValueError(
+                    f"the cache holds {cache.length} positions and T={length} new ones would "
+                    f"make {cache.length + length} > context_length="
+                    f"{self.config.context_length}; reset() the cache and feed the last "
+                    f"{self.config.context_length} tokens"
+                )
+            if cache.batch_size is not None and cache.batch_size != input_ids.shape[0]:
+                raise ValueError(f"the cache holds {cache.batch_size} sequences, input_ids has "
+                                 f"{input_ids.shape[0]} rows")
         low, high = int(input_ids.min()), int(input_ids.max())
         if low < 0 or high >= self.config.vocab_size:
             bad = low if low < 0 else high
@@ -105,26 +127,45 @@ class GPT(nn.Module):
                 f"token id {bad} is out of range: ids must lie in [0, {self.config.vocab_size})"
             )
 
-    def _run(self, input_ids: Tensor, need_weights: bool) -> tuple[Tensor, list[Tensor]]:
-        self._check_ids(input_ids)
+    def _run(self, input_ids: Tensor, need_weights: bool, cache: KVCache | None,
+             last_only: bool = False) -> tuple[Tensor, list[Tensor]]:
+        self._check_ids(input_ids, cache)
         input_ids = input_ids.long()
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        past = 0 if cache is None else cache.length  # positions already read
+        positions = torch.arange(past, past + input_ids.shape[1], device=input_ids.device)
         x = self.drop(self.wte(input_ids) + self.wpe(positions))  # (B, T, D)
         maps: list[Tensor] = []
-        for block in self.h:
-            x, weights = block(x, need_weights=need_weights)
+        for i, block in enumerate(self.h):
+            x, weights = block(x, need_weights=need_weights,
+                               cache=None if cache is None else cache.layers[i])
             if weights is not None:
                 maps.append(weights)
+        if last_only:
+            x = x[:, -1:, :]  # (B, 1, D): generation needs only the next token's scores
         logits: Tensor = self.lm_head(self.ln_f(x))  # (B, T, V)
         return logits, maps
 
-    def forward(self, input_ids: Tensor) -> Tensor:
-        """input_ids (B, T) int -> logits (B, T, V)."""
-        return self._run(input_ids, need_weights=False)[0]
+    def forward(
+        self, input_ids: Tensor, *, cache: KVCache | None = None, last_only: bool = False
+    ) -> Tensor:
+        """input_ids (B, T) int -> logits (B, T, V).
 
-    def forward_with_attention(self, input_ids: Tensor) -> tuple[Tensor, list[Tensor]]:
-        """Logits (B, T, V) and each layer's attention weights, a list of L tensors (B, H, T, T)."""
-        return self._run(input_ids, need_weights=True)
+        With a ``cache`` holding P positions, ``input_ids`` are positions
+        P..P+T-1 of the sequences; they are added to the cache and attend to
+        everything in it, and P + T may not exceed ``context_length``.
+        ``last_only`` returns the logits of the last position only, (B, 1, V),
+        and skips the head's (T - 1) x D x V multiply-adds for the others.
+        """
+        return self._run(input_ids, need_weights=False, cache=cache, last_only=last_only)[0]
+
+    def forward_with_attention(
+        self, input_ids: Tensor, *, cache: KVCache | None = None
+    ) -> tuple[Tensor, list[Tensor]]:
+        """Logits (B, T, V) and each layer's attention weights, a list of L tensors (B, H, T, T).
+
+        With a cache holding P positions the weights are (B, H, T, P + T).
+        """
+        return self._run(input_ids, need_weights=True, cache=cache)
 
     # ----- loading GPT-2 weights -----------------------------------------------------
     @classmethod

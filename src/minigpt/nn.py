@@ -165,13 +165,20 @@ def gelu(x: Tensor, approximate: str = "none") -> Tensor:
 # ----------------------------------------------------------------------------------
 
 
-def causal_mask(num_positions: int, device: torch.device | str | None = None) -> Tensor:
-    """Boolean mask of shape (1, 1, T, T): True where query i may attend to key j (j <= i).
+def causal_mask(
+    num_positions: int, device: torch.device | str | None = None, *, past: int = 0
+) -> Tensor:
+    """Boolean mask of shape (1, 1, T, P + T): True where query i may attend to key j.
 
-    The two leading axes broadcast over the batch and the heads.
+    Without a cache (``past`` P = 0) it is the lower triangle, j <= i. When P
+    earlier positions are already stored (a `KVCache`), the T new queries sit
+    at positions P..P+T-1 and query i may see keys 0..P+i. The two leading
+    axes broadcast over the batch and the heads.
     """
-    keep = torch.ones(num_positions, num_positions, dtype=torch.bool, device=device)
-    return torch.tril(keep).view(1, 1, num_positions, num_positions)
+    if past < 0:
+        raise ValueError(f"past must be >= 0, got {past}")
+    keep = torch.ones(num_positions, past + num_positions, dtype=torch.bool, device=device)
+    return torch.tril(keep, diagonal=past).view(1, 1, num_positions, past + num_positions)
 
 
 def scaled_dot_product_attention(
@@ -217,6 +224,87 @@ def merge_heads(x: Tensor) -> Tensor:
     return x.transpose(1, 2).contiguous().view(batch, length, n_heads * d_head)
 
 
+class LayerKVCache:
+    """The keys and values one attention layer has computed so far, for generation.
+
+    Buffers of shape (B, H, T_max, d_k) are allocated at the first `append`
+    (batch size, dtype and device come from the first keys); ``length`` is
+    how many positions they hold. Appending T new positions writes them at
+    ``length``..``length + T - 1`` and returns views of everything stored.
+    """
+
+    def __init__(self, max_length: int) -> None:
+        if max_length < 1:
+            raise ValueError(f"max_length must be >= 1, got {max_length}")
+        self.max_length = max_length
+        self.length = 0
+        self.keys: Tensor | None = None
+        self.values: Tensor | None = None
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store k, v (B, H, T, d_k); return all keys and values so far, (B, H, length, d_k)."""
+        new = k.shape[2]
+        end = self.length + new
+        if end > self.max_length:
+            raise ValueError(f"the cache holds {self.length} positions; {new} more would exceed "
+                             f"its max_length={self.max_length}")
+        if self.keys is None or self.values is None:
+            shape = (k.shape[0], k.shape[1], self.max_length, k.shape[3])
+            self.keys = k.new_zeros(shape)
+            self.values = v.new_zeros(shape)
+        elif k.shape[0] != self.keys.shape[0]:
+            raise ValueError(f"the cache holds a batch of {self.keys.shape[0]} sequences, "
+                             f"got {k.shape[0]}; reset() it or reorder() it first")
+        self.keys[:, :, self.length:end] = k
+        self.values[:, :, self.length:end] = v
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+
+class KVCache:
+    """A key-value cache for a whole GPT: one `LayerKVCache` per block.
+
+    Passing it to ``GPT.forward(ids, cache=cache)`` makes every attention
+    layer store the keys and values of ``ids`` and attend over everything
+    stored, so the next call need only read the new tokens: generating N
+    tokens then runs N one-token forward passes instead of N passes over the
+    whole sequence. Make one with ``GPT.new_cache()``.
+    """
+
+    def __init__(self, n_layers: int, max_length: int) -> None:
+        if n_layers < 1:
+            raise ValueError(f"n_layers must be >= 1, got {n_layers}")
+        self.layers = [LayerKVCache(max_length) for _ in range(n_layers)]
+        self.max_length = max_length
+
+    @property
+    def length(self) -> int:
+        """Positions stored, P: the next token fed to the model sits at position P."""
+        return self.layers[0].length
+
+    @property
+    def batch_size(self) -> int | None:
+        """B of the stored sequences, or None while the cache is empty."""
+        keys = self.layers[0].keys
+        return None if keys is None else int(keys.shape[0])
+
+    def reset(self) -> None:
+        """Forget every stored position (the buffers are dropped too)."""
+        for layer in self.layers:
+            layer.length, layer.keys, layer.values = 0, None, None
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep sequence ``index[b]`` as the new sequence b (beam search), in every layer.
+
+        ``index`` is a 1-D tensor of batch positions; it may repeat some and
+        drop others, so the batch size may change.
+        """
+        for layer in self.layers:
+            if layer.keys is not None and layer.values is not None:
+                layer.keys = layer.keys.index_select(0, index.to(layer.keys.device))
+                layer.values = layer.values.index_select(0, index.to(layer.values.device))
+
+
 class MultiHeadAttention(nn.Module):
     """Masked multi-head self-attention, GPT-2 style.
 
@@ -237,6 +325,10 @@ class MultiHeadAttention(nn.Module):
 
     ``use_fused`` picks PyTorch's `scaled_dot_product_attention` kernel when
     the weights are not asked for; both paths compute the same numbers.
+
+    With a ``cache`` (a `LayerKVCache` holding P earlier positions) x holds
+    only the T new positions: their keys and values are stored, and their
+    queries attend over all P + T keys (the weights are then (B, H, T, P + T)).
     """
 
     def __init__(
@@ -254,16 +346,29 @@ class MultiHeadAttention(nn.Module):
         self.c_proj = nn.Linear(d_model, d_model, bias=bias)
         self.resid_dropout = nn.Dropout(dropout)
 
-    def forward(self, x: Tensor, need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
+    def forward(
+        self, x: Tensor, need_weights: bool = False, cache: LayerKVCache | None = None
+    ) -> tuple[Tensor, Tensor | None]:
         q, k, v = self.c_attn(x).split(x.shape[-1], dim=-1)  # 3 x (B, T, D)
         q, k, v = (split_heads(t, self.n_heads) for t in (q, k, v))  # (B, H, T, d_k)
+        past = 0
+        if cache is not None:
+            past = cache.length
+            k, v = cache.append(k, v)  # (B, H, P + T, d_k): the stored ones and the new ones
         dropout_p = self.dropout if self.training else 0.0
         weights: Tensor | None = None
         if self.use_fused and not need_weights:
-            context = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p,
-                                                     is_causal=self.causal)
+            if past == 0 or not self.causal:
+                context = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p,
+                                                         is_causal=self.causal and past == 0)
+            elif x.shape[1] == 1:  # one new query: every stored key is in its past
+                context = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+            else:
+                context = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=causal_mask(x.shape[1], x.device, past=past),
+                    dropout_p=dropout_p)
         else:
-            mask = causal_mask(x.shape[1], x.device) if self.causal else None
+            mask = causal_mask(x.shape[1], x.device, past=past) if self.causal else None
             context, weights = scaled_dot_product_attention(q, k, v, mask, dropout_p)
         y = self.resid_dropout(self.c_proj(merge_heads(context)))
         return y, weights
@@ -316,8 +421,10 @@ class Block(nn.Module):
         self.ln_2 = LayerNorm(d_model, eps=eps, bias=bias)
         self.mlp = FeedForward(d_model, d_ff, dropout=dropout, bias=bias)
 
-    def forward(self, x: Tensor, need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
-        attended, weights = self.attn(self.ln_1(x), need_weights=need_weights)
+    def forward(
+        self, x: Tensor, need_weights: bool = False, cache: LayerKVCache | None = None
+    ) -> tuple[Tensor, Tensor | None]:
+        attended, weights = self.attn(self.ln_1(x), need_weights=need_weights, cache=cache)
         x = x + attended
         x = x + self.mlp(self.ln_2(x))
         return x, weights
@@ -331,8 +438,10 @@ class PostLNBlock(Block):
     skipped by an identity map.
     """
 
-    def forward(self, x: Tensor, need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
-        attended, weights = self.attn(x, need_weights=need_weights)
+    def forward(
+        self, x: Tensor, need_weights: bool = False, cache: LayerKVCache | None = None
+    ) -> tuple[Tensor, Tensor | None]:
+        attended, weights = self.attn(x, need_weights=need_weights, cache=cache)
         x = self.ln_1(x + attended)
         x = self.ln_2(x + self.mlp(x))
         return x, weights

@@ -1,6 +1,7 @@
 """Sampling from a trained checkpoint: `load_model` for Python, `main` for the CLI.
 
     python -m minigpt sample --checkpoint runs/char --prompt "ROMEO:" --max-new-tokens 200
+    python -m minigpt sample --checkpoint runs/char --prompt "ROMEO:" --beams 4
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from pydantic import ValidationError
 
 from minigpt.config import GPTConfig
-from minigpt.generate import generate
+from minigpt.generate import beam_search, generate
 from minigpt.model import GPT
 from minigpt.tokenizer import Tokenizer, tokenizer_from_dict
 from minigpt.train import load_checkpoint
@@ -57,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", default="\n",
                    help="text to continue (default: a newline)")
     p.add_argument("--max-new-tokens", type=int, default=500, metavar="N")
-    p.add_argument("--temperature", type=float, default=1.0,
+    p.add_argument("--temperature", type=float, default=None,
                    help="> 0 rescales the logits; 0 is greedy (default 1.0)")
     p.add_argument("--top-k", type=int, default=None, metavar="K",
                    help="sample among the K most likely tokens only")
@@ -67,6 +68,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1337, help="seed of the sampler (default 1337)")
     p.add_argument("--num-samples", type=int, default=1, metavar="S",
                    help="independent continuations to print (default 1)")
+    p.add_argument("--beams", type=int, default=None, metavar="K",
+                   help="beam search with K beams instead of sampling: print the most likely "
+                        "continuation found (no --temperature, --top-k, --top-p, --greedy)")
+    p.add_argument("--no-cache", action="store_true",
+                   help="re-read the whole context at every step instead of keeping a "
+                        "key-value cache (slower, same tokens)")
     p.add_argument("--device", default="cpu")
     return p
 
@@ -87,6 +94,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         except RuntimeError:
             raise ValueError(f"--device {args.device!r} is not a torch device "
                              "(e.g. cpu, cuda, cuda:1)") from None
+        if args.beams is not None:
+            if args.beams < 1:
+                raise ValueError(f"--beams must be >= 1, got {args.beams}")
+            sampling = [flag for flag, value in (
+                ("--temperature", args.temperature), ("--top-k", args.top_k),
+                ("--top-p", args.top_p), ("--greedy", args.greedy or None),
+                ("--num-samples", None if args.num_samples == 1 else args.num_samples),
+            ) if value is not None]
+            if sampling:
+                raise ValueError(f"--beams searches for the most likely continuation and does "
+                                 f"not sample; drop {', '.join(sampling)}")
         if not args.prompt:
             raise ValueError("--prompt is empty: give at least one character to continue")
         model, tokenizer, _ = load_model(args.checkpoint, device=args.device)
@@ -95,10 +113,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as err:
             raise ValueError(f"--prompt cannot be encoded by the {tokenizer.name} tokenizer "
                              f"of this checkpoint: {err}") from None
-        gen = torch.Generator(device=args.device).manual_seed(args.seed)
-        prompt = torch.tensor([ids] * args.num_samples, dtype=torch.long)
-        out = generate(model, prompt, args.max_new_tokens, temperature=args.temperature,
-                       top_k=args.top_k, top_p=args.top_p, greedy=args.greedy, generator=gen)
+        if args.beams is not None:
+            found = beam_search(model, ids, args.max_new_tokens, num_beams=args.beams,
+                                use_cache=not args.no_cache)
+            out = found.sequences[:1]  # the best hypothesis
+        else:
+            gen = torch.Generator(device=args.device).manual_seed(args.seed)
+            prompt = torch.tensor([ids] * args.num_samples, dtype=torch.long)
+            temperature = 1.0 if args.temperature is None else args.temperature
+            out = generate(model, prompt, args.max_new_tokens, temperature=temperature,
+                           top_k=args.top_k, top_p=args.top_p, greedy=args.greedy,
+                           generator=gen, use_cache=not args.no_cache)
     except (OSError, ValueError, TypeError) as err:
         print(f"minigpt sample: error: {err}", file=sys.stderr)
         return 1

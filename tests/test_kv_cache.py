@@ -1,0 +1,153 @@
+"""The key-value cache: masks with a past, the layer and model caches, and their errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minigpt import GPT, GPTConfig
+from minigpt.nn import KVCache, LayerKVCache, MultiHeadAttention, causal_mask
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def model() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=23, context_length=12, d_model=16, n_heads=4,
+                         n_layers=3)).eval()
+
+
+# ----- the mask ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("t", "past"), [(1, 0), (4, 0), (1, 5), (3, 5)])
+def test_causal_mask_with_a_past(t: int, past: int) -> None:
+    mask = causal_mask(t, past=past)
+    assert mask.shape == (1, 1, t, past + t)
+    for i in range(t):
+        for j in range(past + t):
+            assert bool(mask[0, 0, i, j]) == (j <= past + i)  # query i sits at position past + i
+    assert torch.equal(causal_mask(t, past=past)[..., past:], causal_mask(t))
+
+
+def test_causal_mask_rejects_a_negative_past() -> None:
+    with pytest.raises(ValueError, match="past must be >= 0, got -1"):
+        causal_mask(3, past=-1)
+
+
+# ----- one layer ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("use_fused", [True, False])
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_fed_in_chunks_equals_attention_over_the_whole(use_fused: bool,
+                                                                 causal: bool) -> None:
+    torch.manual_seed(1)
+    mha = MultiHeadAttention(16, 4, causal=causal).eval()
+    mha.use_fused = use_fused
+    x = torch.randn(2, 9, 16)
+    with torch.no_grad():
+        whole, whole_weights = mha(x, need_weights=True)
+        cache = LayerKVCache(9)
+        pieces = []
+        for start, stop in ((0, 4), (4, 5), (5, 9)):
+            y, _ = mha(x[:, start:stop], cache=cache)
+            pieces.append(y)
+        assert cache.length == 9
+    if causal:  # without the mask a prefix cannot see later keys: only causal attention chunks
+        assert torch.allclose(torch.cat(pieces, dim=1), whole, atol=1e-6)
+    # the weights of the new queries cover all stored keys
+    cache = LayerKVCache(9)
+    with torch.no_grad():
+        mha(x[:, :5], cache=cache)
+        _, weights = mha(x[:, 5:], need_weights=True, cache=cache)
+    assert weights is not None and weights.shape == (2, 4, 4, 9)
+    if causal:
+        assert torch.allclose(weights, whole_weights[:, :, 5:], atol=1e-6)
+
+
+def test_layer_cache_refuses_overflow_and_a_new_batch_size() -> None:
+    cache = LayerKVCache(4)
+    k = torch.zeros(2, 1, 3, 8)
+    keys, values = cache.append(k, k)
+    assert keys.shape == (2, 1, 3, 8) and cache.length == 3
+    with pytest.raises(ValueError, match="holds 3 positions; 2 more would exceed its max_length=4"):
+        cache.append(torch.zeros(2, 1, 2, 8), torch.zeros(2, 1, 2, 8))
+    with pytest.raises(ValueError, match="holds a batch of 2 sequences, got 1"):
+        cache.append(torch.zeros(1, 1, 1, 8), torch.zeros(1, 1, 1, 8))
+    with pytest.raises(ValueError, match="max_length must be >= 1"):
+        LayerKVCache(0)
+    with pytest.raises(ValueError, match="n_layers must be >= 1"):
+        KVCache(0, 4)
+
+
+# ----- the whole model ---------------------------------------------------------------
+
+
+@settings(max_examples=25, deadline=None)
+@given(cuts=st.lists(st.integers(1, 11), max_size=4, unique=True),
+       positional=st.sampled_from(["learned", "sinusoidal"]))
+def test_model_fed_in_any_chunks_equals_one_pass(cuts: list[int], positional: str) -> None:
+    torch.manual_seed(2)
+    model = GPT(GPTConfig(vocab_size=23, context_length=12, d_model=16, n_heads=4, n_layers=2,
+                          positional=positional)).eval()
+    ids = torch.randint(0, 23, (3, 12), generator=torch.Generator().manual_seed(3))
+    bounds = [0, *sorted(cuts), 12]
+    cache = model.new_cache()
+    with torch.no_grad():
+        whole = model(ids)
+        chunks = [model(ids[:, a:b], cache=cache) for a, b in zip(bounds, bounds[1:], strict=False)]
+    assert cache.length == 12 and cache.batch_size == 3
+    assert torch.allclose(torch.cat(chunks, dim=1), whole, atol=1e-5)
+
+
+def test_last_only_is_the_last_row(model: GPT) -> None:
+    ids = torch.randint(0, 23, (2, 7))
+    with torch.no_grad():
+        assert model(ids, last_only=True).shape == (2, 1, 23)
+        assert torch.allclose(model(ids, last_only=True), model(ids)[:, -1:], atol=1e-6)
+
+
+def test_reorder_keeps_the_chosen_sequences(model: GPT) -> None:
+    ids = torch.randint(0, 23, (3, 6), generator=torch.Generator().manual_seed(4))
+    nxt = torch.randint(0, 23, (4, 1), generator=torch.Generator().manual_seed(5))
+    index = torch.tensor([2, 0, 2, 1])  # repeat one, reorder the others: batch 3 -> 4
+    cache = model.new_cache()
+    with torch.no_grad():
+        model(ids, cache=cache)
+        cache.reorder(index)
+        cached = model(nxt, cache=cache)
+        direct = model(torch.cat([ids[index], nxt], dim=1))[:, -1:]
+    assert cache.batch_size == 4
+    assert torch.allclose(cached, direct, atol=1e-5)
+
+
+def test_reset_empties_the_cache(model: GPT) -> None:
+    cache = model.new_cache()
+    with torch.no_grad():
+        model(torch.zeros(2, 5, dtype=torch.long), cache=cache)
+    cache.reset()
+    assert cache.length == 0 and cache.batch_size is None
+    with torch.no_grad():  # a new batch size is fine after a reset
+        model(torch.zeros(1, 12, dtype=torch.long), cache=cache)
+    assert cache.length == 12
+
+
+def test_model_cache_errors(model: GPT) -> None:
+    cache = model.new_cache()
+    assert len(cache.layers) == 3 and cache.max_length == 12
+    with torch.no_grad():
+        model(torch.zeros(2, 10, dtype=torch.long), cache=cache)
+        with pytest.raises(ValueError, match="holds 10 positions and T=3 new ones would make "
+                                             "13 > context_length=12"):
+            model(torch.zeros(2, 3, dtype=torch.long), cache=cache)
+        with pytest.raises(ValueError, match="the cache holds 2 sequences, input_ids has 1 rows"):
+            model(torch.zeros(1, 1, dtype=torch.long), cache=cache)
+        with pytest.raises(ValueError, match="the cache has 2 layers, the model 3"):
+            model(torch.zeros(1, 1, dtype=torch.long), cache=KVCache(2, 12))
+        with pytest.raises(TypeError, match="cache must be a KVCache"):
+            model(torch.zeros(1, 1, dtype=torch.long), cache=[])  # type: ignore[arg-type]
+    assert cache.length == 10  # a refused call stores nothing
