@@ -235,3 +235,17 @@ def test_the_real_archives_match_the_real_pins(tmp_path: Path) -> None:
     assert _sha(paths["gpt2_ranks"].read_bytes()) == (
         "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930")
     assert check_assets(tmp_path) == paths
+
+
+def test_atomic_write_gives_a_normal_file_mode(tmp_path: Path) -> None:
+    import os
+
+    old = os.umask(0o027)
+    try:
+        assets.atomic_write(tmp_path / "sub" / "f.bin", b"abc")
+    finally:
+        os.umask(old)
+    path = tmp_path / "sub" / "f.bin"
+    assert path.read_bytes() == b"abc"
+    assert path.stat().st_mode & 0o777 == 0o640  # 0666 under the umask, not mkstemp's 0600
+    assert [p.name for p in path.parent.iterdir()] == ["f.bin"]  # no temporary file left

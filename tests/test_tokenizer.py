@@ -261,3 +261,47 @@ def test_to_dict_round_trips(macbeth: str, bpe: BPETokenizer) -> None:
                                                                        allowed_special="all")
     with pytest.raises(ValueError, match="'kind' must be one of char, bpe, gpt2, got 'word'"):
         tokenizer_from_dict({"kind": "word"})
+
+
+def test_load_ranks_reads_what_tiktoken_reads(monkeypatch: pytest.MonkeyPatch,
+                                              tmp_path: Path) -> None:
+    import tiktoken.load
+
+    from minigpt.assets import GPT2_TIKTOKEN_SHA256, gpt2_ranks_path
+    from minigpt.tokenizer import load_ranks
+
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "tiktoken-cache"))
+    theirs = tiktoken.load.load_tiktoken_bpe(str(gpt2_ranks_path()),
+                                             expected_hash=GPT2_TIKTOKEN_SHA256)
+    ours = load_ranks(gpt2_ranks_path(), GPT2_TIKTOKEN_SHA256)
+    assert ours == theirs and len(ours) == 50256
+
+
+def test_gpt2_encoding_writes_nothing_outside_the_cache(monkeypatch: pytest.MonkeyPatch,
+                                                        tmp_path: Path) -> None:
+    import tempfile
+
+    monkeypatch.delenv("TIKTOKEN_CACHE_DIR", raising=False)
+    monkeypatch.delenv("DATA_GYM_CACHE_DIR", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where tiktoken would copy it
+    assert gpt2_encoding.__wrapped__().n_vocab == 50257
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_load_ranks_errors(tmp_path: Path) -> None:
+    import base64
+    import hashlib
+
+    from minigpt.assets import ChecksumError
+    from minigpt.tokenizer import load_ranks
+
+    good = tmp_path / "good.tiktoken"
+    good.write_bytes(base64.b64encode(b"ab") + b" 0\n" + base64.b64encode(b"c") + b" 1\n")
+    digest = hashlib.sha256(good.read_bytes()).hexdigest()
+    assert load_ranks(good, digest) == {b"ab": 0, b"c": 1}
+    with pytest.raises(ChecksumError, match="expected 00+; delete it"):
+        load_ranks(good, "0" * 64)
+    bad = tmp_path / "bad.tiktoken"
+    bad.write_bytes(base64.b64encode(b"ab") + b" 0\nnot-base64! 1\n")
+    with pytest.raises(ValueError, match="bad.tiktoken, line 2: not 'base64-token rank'"):
+        load_ranks(bad, hashlib.sha256(bad.read_bytes()).hexdigest())

@@ -16,20 +16,22 @@ text, and `decode` rejects ids outside [0, V).
 
 from __future__ import annotations
 
+import base64
 import functools
+import hashlib
 import heapq
 import operator
 from collections import Counter
 from collections.abc import Iterable, Sequence, Set
 from itertools import pairwise
+from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import regex
 import tiktoken
-import tiktoken.load
 from tiktoken_ext.openai_public import r50k_pat_str
 
-from minigpt.assets import GPT2_TIKTOKEN_SHA256, gpt2_ranks_path
+from minigpt.assets import GPT2_TIKTOKEN_SHA256, ChecksumError, gpt2_ranks_path
 
 ENDOFTEXT = "<|endoftext|>"
 GPT2_PAT_STR: str = r50k_pat_str
@@ -355,12 +357,35 @@ def train_bpe(text: str, vocab_size: int, *,
 
 # ------------------------------------------------------------------------------- GPT-2
 
+def load_ranks(path: Path, sha256: str) -> dict[bytes, int]:
+    """Read a `.tiktoken` ranks file (one "base64(token) rank" per line) after checking its hash.
+
+    `tiktoken.load.load_tiktoken_bpe` parses the same format but also keeps a copy of every
+    file it reads in a cache folder of its own (by default under the system's temporary
+    directory); reading the file here keeps everything in minigpt's cache.
+    """
+    data = path.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != sha256:
+        raise ChecksumError(f"{path} has sha256 {digest}, expected {sha256}; delete it and run "
+                            "`python -m minigpt assets` again")
+    ranks: dict[bytes, int] = {}
+    for number, line in enumerate(data.splitlines(), start=1):
+        if not line:
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except ValueError as err:  # binascii.Error is a ValueError
+            raise ValueError(f"{path}, line {number}: not 'base64-token rank' ({err})") from None
+    return ranks
+
+
 @functools.cache
 def gpt2_encoding() -> tiktoken.Encoding:
     """GPT-2's encoding (V = 50,257; `<|endoftext|>` = 50256) from the local, verified
     `gpt2.tiktoken`; no network. Raises `MissingAssetError` if set-up has not fetched it."""
-    ranks = tiktoken.load.load_tiktoken_bpe(str(gpt2_ranks_path()),
-                                            expected_hash=GPT2_TIKTOKEN_SHA256)
+    ranks = load_ranks(gpt2_ranks_path(), GPT2_TIKTOKEN_SHA256)
     return tiktoken.Encoding(name="gpt2", pat_str=GPT2_PAT_STR, mergeable_ranks=ranks,
                              special_tokens={ENDOFTEXT: 50256}, explicit_n_vocab=50257)
 
