@@ -194,7 +194,9 @@ def generate(
 
     Args:
         model: a GPT (anything with ``.config.context_length``,
-            ``.config.vocab_size`` and ``model(ids (B, T)) -> logits (B, T, V)``).
+            ``.config.vocab_size`` and ``model(ids (B, T)) -> logits (B, T, V)``;
+            with ``use_cache`` also ``new_cache()`` and ``model(ids, cache=,
+            last_only=)`` as `minigpt.GPT` has them).
         prompt_ids: (T,) or (B, T) integer ids, or a list of ints (of lists).
         max_new_tokens: N >= 0, how many tokens to append.
         temperature: tau >= 0; 0 means greedy (exactly the argmax).
