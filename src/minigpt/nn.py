@@ -300,9 +300,15 @@ class KVCache:
         drop others, so the batch size may change.
         """
         for layer in self.layers:
-            if layer.keys is not None and layer.values is not None:
-                layer.keys = layer.keys.index_select(0, index.to(layer.keys.device))
-                layer.values = layer.values.index_select(0, index.to(layer.values.device))
+            if layer.keys is None or layer.values is None:
+                continue
+            index = index.to(layer.keys.device)
+            stored = layer.length
+            for name in ("keys", "values"):
+                old: Tensor = getattr(layer, name)
+                new = old.new_zeros((index.shape[0], *old.shape[1:]))
+                new[:, :, :stored] = old[:, :, :stored].index_select(0, index)  # only what is used
+                setattr(layer, name, new)
 
 
 class MultiHeadAttention(nn.Module):
