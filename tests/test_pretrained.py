@@ -115,14 +115,18 @@ def test_corrupted_weights_are_detected_and_rebuilt(caplog):
     assert not info3.built
 
 
+def _replace_weights(folder, data: bytes) -> None:
+    """Overwrite a cached model's weights with `data` and record its hash, as if it were valid."""
+    (folder / WEIGHTS_NAME).write_bytes(data)
+    manifest_path = folder / MANIFEST_NAME
+    manifest = json.loads(manifest_path.read_text())
+    manifest["weights_sha256"] = pretrained.hashlib.sha256(data).hexdigest()
+    manifest_path.write_text(json.dumps(manifest))
+
+
 def test_unreadable_weights_with_a_matching_hash_are_rebuilt():
     _, _, info = load_or_build(TINY, TEXT, progress=False)
-    garbage = b"this is not a torch file"
-    (info.path / WEIGHTS_NAME).write_bytes(garbage)
-    manifest_path = info.path / MANIFEST_NAME
-    manifest = json.loads(manifest_path.read_text())
-    manifest["weights_sha256"] = pretrained.hashlib.sha256(garbage).hexdigest()
-    manifest_path.write_text(json.dumps(manifest))
+    _replace_weights(info.path, b"this is not a torch file")
     with pytest.warns(RuntimeWarning, match="unreadable"):
         _, _, info2 = load_or_build(TINY, TEXT, progress=False)
     assert info2.built
@@ -152,12 +156,7 @@ def test_weights_of_another_shape_are_rebuilt():
     other, _, other_info = load_or_build(Recipe(**{**TINY.__dict__, "d_model": 32}), TEXT,
                                          progress=False)
     # Put the wider model's weights into the narrow model's cache, with a consistent hash.
-    other_weights = (other_info.path / WEIGHTS_NAME).read_bytes()
-    (info.path / WEIGHTS_NAME).write_bytes(other_weights)
-    manifest_path = info.path / MANIFEST_NAME
-    manifest = json.loads(manifest_path.read_text())
-    manifest["weights_sha256"] = pretrained.hashlib.sha256(other_weights).hexdigest()
-    manifest_path.write_text(json.dumps(manifest))
+    _replace_weights(info.path, (other_info.path / WEIGHTS_NAME).read_bytes())
     with pytest.warns(RuntimeWarning, match="does not fit"):
         model, _, info2 = load_or_build(TINY, TEXT, progress=False)
     assert info2.built and model.config.d_model == 16

@@ -138,9 +138,9 @@ def _next_logits(model: nn.Module, seq: Tensor, context_length: int,
         # A GPT can skip the head for every position but the last.
         logits: Tensor = model(window, last_only=True) if isinstance(model, GPT) else model(window)
     else:
-        if seq.shape[1] > context_length or cache.length >= seq.shape[1]:
-            # The window slid (every position changed) or the cache is ahead of seq:
-            # nothing stored can be reused, so read the cropped window afresh.
+        if seq.shape[1] > context_length:
+            # The window slid: every kept token moved to a new position, so nothing
+            # stored can be reused; read the cropped window afresh.
             cache.reset()
         new = seq[:, cache.length:][:, -context_length:]  # the tokens the cache lacks
         logits = model(new, cache=cache, last_only=True)

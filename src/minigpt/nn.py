@@ -275,7 +275,11 @@ class KVCache:
         if n_layers < 1:
             raise ValueError(f"n_layers must be >= 1, got {n_layers}")
         self.layers = [LayerKVCache(max_length) for _ in range(n_layers)]
-        self.max_length = max_length
+
+    @property
+    def max_length(self) -> int:
+        """How many positions each layer can hold (the model's T_max)."""
+        return self.layers[0].max_length
 
     @property
     def length(self) -> int:
