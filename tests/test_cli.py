@@ -10,7 +10,7 @@ import pytest
 from minigpt.cli import main
 from minigpt.generate import beam_search
 from minigpt.sample import load_model
-from minigpt.train import load_checkpoint
+from minigpt.checkpoint import load_checkpoint
 
 TEXT = "".join(
     f"{who}:\nWhat say you, {whom}? The night is {mood} and the hour grows late.\n\n"
@@ -220,7 +220,7 @@ def test_train_error_paths_on_files(tmp_path: Path, text_file: Path,
 
 def test_resume_refuses_new_settings(trained: Path, capsys: pytest.CaptureFixture[str]) -> None:
     _fails(["train", "--out", str(trained), "--resume", "--lr", "0.1"], capsys, 1,
-           "drop --lr (only --max-steps may change)")
+           "drop --lr (only --max-steps and --device may change)")
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from unittest import mock
 from pathlib import Path
 
 import numpy as np
@@ -11,15 +12,18 @@ import pytest
 import torch
 
 from minigpt import GPT, GPTConfig
+from minigpt.checkpoint import load_checkpoint
+from minigpt.parallel import DistContext
 from minigpt.tokenizer import CharTokenizer
 from minigpt.train import (
     TrainConfig,
     configure_optimizer,
     estimate_loss,
     full_loss,
-    load_checkpoint,
+    History,
     lr_at,
-    save_checkpoint,
+    resume_run,
+    save_run,
     train,
 )
 
@@ -167,7 +171,7 @@ def test_resume_may_extend_but_not_change_the_run(tmp_path: Path,
     longer = run_config(max_steps=9, eval_interval=3, decay_steps=6)
     result = train(tiny_config(), longer, *data, progress=False, out_dir=tmp_path, resume=True)
     assert result.history.step == list(range(9)) and result.history.lr[-1] == 3e-4
-    with pytest.raises(ValueError, match="only max_steps may differ"):
+    with pytest.raises(ValueError, match=r"only max_steps \(and the device\) may differ"):
         train(tiny_config(), run_config(max_steps=12, lr=1e-2, decay_steps=6), *data,
               progress=False, out_dir=tmp_path, resume=True)
     with pytest.raises(ValueError, match="configuration differs from the checkpoint"):
@@ -263,10 +267,9 @@ def test_train_errors(data: tuple[np.ndarray, np.ndarray], call: object, error: 
 def test_checkpoint_is_atomic_and_safe_to_load(tmp_path: Path) -> None:
     model = GPT(tiny_config())
     opt = configure_optimizer(model, lr=1e-3, weight_decay=0.1)
-    from minigpt.train import History
-
-    path = save_checkpoint(tmp_path / "ck" / "checkpoint.pt", model, opt, run_config(), step=3,
-                           history=History(), batch_gen=torch.Generator().manual_seed(0))
+    path = tmp_path / "ck" / "checkpoint.pt"
+    save_run(path, model, opt, run_config(), step=3, history=History(),
+             batch_gen=torch.Generator().manual_seed(0), tokenizer=None)
     assert sorted(p.name for p in path.parent.iterdir()) == ["checkpoint.pt"]  # no temp left
     umask = os.umask(0)
     os.umask(umask)
@@ -274,7 +277,62 @@ def test_checkpoint_is_atomic_and_safe_to_load(tmp_path: Path) -> None:
     # Loadable with torch's safe unpickler: only tensors and plain containers inside.
     raw = torch.load(path, weights_only=True)
     assert raw["step"] == 3 and raw["model_config"] == model.config.model_dump()
+    assert raw["world_size"] == 1 and len(raw["rng"]["ranks"]) == 1
     assert load_checkpoint(tmp_path / "ck")["step"] == 3  # a directory works too
+    # A crash while writing leaves the old checkpoint whole.
+    before = path.read_bytes()
+    with pytest.raises(RuntimeError, match="disk gone"):
+        with mock.patch("torch.save", side_effect=RuntimeError("disk gone")):
+            save_run(path, model, opt, run_config(), step=4, history=History(),
+                     batch_gen=torch.Generator(), tokenizer=None)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in path.parent.iterdir()) == ["checkpoint.pt"]
+
+
+def test_truncated_or_foreign_checkpoints_are_refused(tmp_path: Path,
+                                                      data: tuple[np.ndarray, np.ndarray],
+                                                      ) -> None:
+    out = tmp_path / "run"
+    train(tiny_config(), run_config(max_steps=4), *data, out_dir=out, progress=False)
+    ckpt = out / "checkpoint.pt"
+    whole = ckpt.read_bytes()
+    ckpt.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ValueError, match="damaged or truncated"):
+        train(tiny_config(), run_config(max_steps=8), *data, out_dir=out, resume=True,
+              progress=False)
+    ckpt.write_bytes(whole[:100] + bytes(200) + whole[300:])  # corrupted in the middle
+    with pytest.raises(ValueError, match="not a readable checkpoint"):
+        load_checkpoint(ckpt)
+    ckpt.write_bytes(whole)
+    with pytest.raises(ValueError, match="configuration differs"):
+        train(tiny_config(d_model=32), run_config(max_steps=8), *data, out_dir=out,
+              resume=True, progress=False)
+    two = DistContext(rank=0, world_size=2)  # only compared, never joined
+    raw = load_checkpoint(ckpt)
+    with pytest.raises(ValueError, match="written by a run of 1 process.* this run has 2"):
+        model = GPT(tiny_config())
+        resume_run(raw, model, configure_optimizer(model, lr=1e-3, weight_decay=0.1),
+                   run_config(max_steps=4), torch.Generator(), two)
+
+
+def test_format_1_checkpoints_still_load(tmp_path: Path) -> None:
+    payload = {"format": 1, "model": {}, "optimizer": {}, "model_config": {},
+               "train_config": {}, "step": 0, "rng": {}, "history": {}, "tokenizer": None}
+    torch.save(payload, tmp_path / "old.pt")
+    assert load_checkpoint(tmp_path / "old.pt")["world_size"] == 1
+    torch.save(payload | {"format": 9}, tmp_path / "new.pt")
+    with pytest.raises(ValueError, match="format 9; this version of minigpt reads formats 1, 2"):
+        load_checkpoint(tmp_path / "new.pt")
+
+
+def test_loading_onto_a_missing_gpu_says_so(tmp_path: Path) -> None:
+    model = GPT(tiny_config())
+    opt = configure_optimizer(model, lr=1e-3, weight_decay=0.1)
+    save_run(tmp_path / "c.pt", model, opt, run_config(), step=0, history=History(),
+             batch_gen=torch.Generator(), tokenizer=None)
+    with mock.patch("torch.cuda.is_available", return_value=False), \
+            pytest.raises(ValueError, match="CUDA is not available on this machine"):
+        load_checkpoint(tmp_path / "c.pt", map_location="cuda")
 
 
 def test_checkpoint_load_errors(tmp_path: Path) -> None:

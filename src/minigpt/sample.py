@@ -19,7 +19,7 @@ from minigpt.config import GPTConfig
 from minigpt.generate import beam_search, generate
 from minigpt.model import GPT
 from minigpt.tokenizer import Tokenizer, tokenizer_from_dict
-from minigpt.train import load_checkpoint
+from minigpt.checkpoint import load_checkpoint
 
 
 class LoadedModel(NamedTuple):

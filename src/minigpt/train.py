@@ -19,10 +19,10 @@ import argparse
 import json
 import math
 import os
-import pickle
+import signal
 import statistics
+import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -35,16 +35,31 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm  # plain text bar: works in a terminal and a notebook alike
 
+from minigpt.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
 from minigpt.config import GPTConfig
 from minigpt.data import get_batch
 from minigpt.model import GPT
+from minigpt.parallel import (
+    DistContext,
+    DistributedError,
+    barrier,
+    check_port,
+    choose_backend,
+    free_port,
+    gather,
+    init_distributed,
+    mean_over_ranks,
+    rank_batch,
+    shutdown,
+    wrap_model,
+)
 from minigpt.tokenizer import Tokenizer, tokenizer_from_dict
 
-CHECKPOINT_NAME = "checkpoint.pt"
 METRICS_NAME = "metrics.json"
-CHECKPOINT_FORMAT = 1
+SINGLE = DistContext()  # one process, on the CPU
 
 
 class TrainConfig(BaseModel):
@@ -118,6 +133,11 @@ class TrainConfig(BaseModel):
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r}: CUDA is not available on this machine")
         return self
+
+    @property
+    def schedule_end(self) -> int:
+        """The step at which the cosine reaches min_lr (decay_steps, resolved)."""
+        return self.max_steps if self.decay_steps is None else self.decay_steps
 
 
 # ------------------------------------------------------------------ optimiser and schedule
@@ -231,14 +251,16 @@ def full_loss(model: GPT, data: np.ndarray, *, batch_size: int = 32,
 
 @dataclass
 class History:
-    """What a run measured. ``step[i]`` has ``loss[i]`` (its batch's loss), ``lr[i]``
-    and ``step_ms[i]`` (wall time of the step: batches, forward, backward, update; not
+    """What a run measured. ``step[i]`` has ``loss[i]`` (its batch's loss, averaged over
+    the ranks), ``lr[i]``, ``grad_norm[i]`` (the global gradient norm before clipping) and
+    ``step_ms[i]`` (wall time of the step: batches, forward, backward, update; not
     evaluations); evaluations at ``eval_step[j]`` gave ``train_loss[j]`` and
     ``val_loss[j]`` (``eval_step`` counts steps done, so 0 is the untrained model)."""
 
     step: list[int] = field(default_factory=list)
     loss: list[float] = field(default_factory=list)
     lr: list[float] = field(default_factory=list)
+    grad_norm: list[float] = field(default_factory=list)
     step_ms: list[float] = field(default_factory=list)
     eval_step: list[int] = field(default_factory=list)
     train_loss: list[float] = field(default_factory=list)
@@ -252,78 +274,97 @@ class TrainResult:
     metrics: dict[str, Any]
 
 
-def _rng_state(batch_gen: torch.Generator) -> dict[str, Tensor]:
-    state = {"batches": batch_gen.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
+@dataclass(frozen=True)
+class StepResult:
+    loss: float  # mean loss of the step's micro-batches (on this rank)
+    grad_norm: float  # global L2 norm of the gradient, before clipping
 
 
-def save_checkpoint(path: Path | str, model: GPT, optimizer: torch.optim.Optimizer,
-                    train_config: TrainConfig, *, step: int, history: History,
-                    batch_gen: torch.Generator, tokenizer: Tokenizer | None = None) -> Path:
-    """Write everything a resumed run needs, atomically: a temporary file in the same
-    directory, then ``os.replace``, so a crash mid-write never leaves a torn checkpoint.
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
+               micro_batches: Sequence[tuple[Tensor, Tensor]], *, grad_clip: float,
+               bf16: bool = False) -> StepResult:
+    """One optimiser step on k micro-batches of (x, y), each (B, T).
 
-    Only tensors and plain containers are stored (configurations as dicts), so that
-    `load_checkpoint` can use ``torch.load(weights_only=True)``, which executes no code.
+    Each micro-batch's mean loss is scaled by 1/k before its backward pass, so the summed
+    gradient is that of the mean loss over all k * B sequences. Under DDP the gradients
+    are averaged over the ranks once, during the last micro-batch's backward pass.
+    The gradient is clipped to norm ``grad_clip`` (0: not clipped) before the update.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {
-        "format": CHECKPOINT_FORMAT,
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "model_config": model.config.model_dump(),
-        "train_config": train_config.model_dump(),
-        "tokenizer": None if tokenizer is None else tokenizer.to_dict(),
-        "step": step,
-        "rng": _rng_state(batch_gen),
-        "history": asdict(history),
-    }
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; give a normal file's mode
-        with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    k = len(micro_batches)
+    loss_sum = torch.zeros((), device=micro_batches[0][0].device)
+    for i, (x, y) in enumerate(micro_batches):
+        with _sync_gradients(model, i == k - 1):
+            with _autocast(x.device, bf16):
+                loss = lm_loss(model, x, y)
+            (loss / k).backward()  # type: ignore[no-untyped-call]
+        loss_sum += loss.detach().float()
+    norm = nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss_sum.item() / k, float(norm))  # .item() waits for the step
 
 
-def load_checkpoint(path: Path | str, *, map_location: str | torch.device = "cpu",
-                    ) -> dict[str, Any]:
-    """Read a checkpoint written by `save_checkpoint` (a file, or a directory holding
-    ``checkpoint.pt``) with ``torch.load(weights_only=True)``. Raises FileNotFoundError
-    or ValueError with the reason when it is missing, unreadable or not ours."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / CHECKPOINT_NAME
-    if not path.is_file():
-        raise FileNotFoundError(f"no checkpoint at {path}")
-    try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError:
-        raise ValueError(f"{path} is not a readable checkpoint: not a torch file, or one "
-                         "holding objects that safe (weights_only) loading refuses") from None
-    except Exception as err:  # torch raises several types for a damaged file
-        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise ValueError(f"{path} is not a readable checkpoint (damaged or truncated? "
-                         f"{reason})") from None
-    expected = {"format", "model", "optimizer", "model_config", "train_config", "step", "rng",
-                "history", "tokenizer"}
-    if not isinstance(ckpt, dict) or not expected <= set(ckpt):
-        raise ValueError(f"{path} is not a minigpt checkpoint (missing entries)")
-    if ckpt["format"] != CHECKPOINT_FORMAT:
-        raise ValueError(f"{path} has checkpoint format {ckpt['format']!r}; this version of "
-                         f"minigpt reads format {CHECKPOINT_FORMAT}")
-    return ckpt
+def _sync_gradients(model: nn.Module, sync: bool) -> Any:
+    # DDP all-reduces in every backward pass unless told not to; one all-reduce per
+    # optimiser step is enough, as the micro-batches' gradients add up locally first.
+    if sync or not isinstance(model, DistributedDataParallel):
+        return nullcontext()
+    return model.no_sync()
+
+
+def _rng_state(batch_gen: torch.Generator, ctx: DistContext) -> dict[str, Any]:
+    """The random state of the run: the batch stream (shared by the ranks) and each rank's
+    torch generator (dropout). Collective: every rank must call it."""
+    mine = {"torch": torch.get_rng_state()}
+    if ctx.device.type == "cuda":
+        mine["cuda"] = torch.cuda.get_rng_state(ctx.device)
+    ranks = gather(mine, ctx)
+    return {"batches": batch_gen.get_state(), "torch": ranks[0]["torch"], "ranks": ranks}
+
+
+def save_run(path: Path, model: GPT, optimizer: torch.optim.Optimizer, config: TrainConfig,
+             *, step: int, history: History, batch_gen: torch.Generator,
+             tokenizer: Tokenizer | None, ctx: DistContext = SINGLE) -> None:
+    """Checkpoint the run at ``step`` (rank 0 writes; every rank must call it)."""
+    rng = _rng_state(batch_gen, ctx)
+    if ctx.is_main:
+        save_checkpoint(path, {
+            "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "model_config": model.config.model_dump(), "train_config": config.model_dump(),
+            "tokenizer": None if tokenizer is None else tokenizer.to_dict(),
+            "step": step, "rng": rng, "history": asdict(history),
+            "world_size": ctx.world_size})
+    barrier(ctx)
+
+
+def resume_run(ckpt: dict[str, Any], model: GPT, optimizer: torch.optim.Optimizer,
+               config: TrainConfig, batch_gen: torch.Generator,
+               ctx: DistContext = SINGLE) -> tuple[int, History]:
+    """Restore a saved run into ``model``, ``optimizer`` and the generators; returns the
+    step it reached and its history. Refuses a checkpoint of another model, other settings
+    (only max_steps and the device may change) or another number of processes."""
+    if ckpt["model_config"] != model.config.model_dump():
+        raise ValueError("the model's configuration differs from the checkpoint's; "
+                         "resume with the checkpoint's GPTConfig")
+    saved = ckpt["train_config"] | {"max_steps": config.max_steps, "device": config.device}
+    if saved != config.model_dump():
+        raise ValueError("resume=True continues the saved run: only max_steps (and the "
+                         "device) may differ from the checkpoint's TrainConfig")
+    if ckpt["world_size"] != ctx.world_size:
+        raise ValueError(f"the checkpoint was written by a run of {ckpt['world_size']} "
+                         f"process(es) and this run has {ctx.world_size}; resume with the "
+                         "same number (--nproc-per-node), since the batches each step reads "
+                         "depend on it")
+    model.load_state_dict(ckpt["model"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    rng = ckpt["rng"]
+    batch_gen.set_state(rng["batches"])
+    mine = rng["ranks"][ctx.rank] if "ranks" in rng else rng
+    torch.set_rng_state(mine["torch"])
+    if "cuda" in mine and ctx.device.type == "cuda":
+        torch.cuda.set_rng_state(mine["cuda"], ctx.device)
+    history = History(**({"grad_norm": []} | ckpt["history"]))
+    return int(ckpt["step"]), history
 
 
 def train(
@@ -338,6 +379,7 @@ def train(
     stop_at: int | None = None,
     progress: bool = True,
     log: Callable[[str], None] | None = None,
+    ctx: DistContext | None = None,
 ) -> TrainResult:
     """Train a GPT on token ids and return it with its history and summary metrics.
 
@@ -349,21 +391,93 @@ def train(
         tokenizer: stored in checkpoints so that sampling can decode.
         out_dir: where ``checkpoint.pt`` goes, after every evaluation and at the end
             (None: no checkpoints).
-        resume: continue the run saved in ``out_dir``: the checkpoint's model, optimiser,
-            step, history and random generators are restored, and the run goes on to
-            ``config.max_steps`` with the checkpoint's schedule (``model`` must then be the
-            `GPTConfig` stored there or a model of that configuration, which is reloaded).
+        resume: continue the run saved in ``out_dir`` (see `resume_run`) up to
+            ``config.max_steps``, with the checkpoint's schedule.
         stop_at: stop after this many steps (and checkpoint), as if interrupted; the
             schedule is still that of ``config.max_steps``, so ``resume`` continues it.
         progress: show a tqdm progress bar.
         log: called with a line of text after every evaluation (e.g. ``print``).
+        ctx: this process's place in a multi-process run (`minigpt.parallel`); None for
+            one process on ``config.device``. Rank 0 evaluates, logs and checkpoints.
 
     Returns:
-        `TrainResult` with the trained model, the `History`, and ``metrics``:
-        final_train_loss, final_val_loss, median_step_ms, tokens_per_second, steps,
-        train_seconds (sum of step times), total_seconds (wall time of this call, incl.
-        evaluation). It seeds torch's global generator (used by dropout) with ``config.seed``.
+        `TrainResult` with the trained model, the `History`, and ``metrics`` (see
+        `_metrics`). It seeds torch's global generator (dropout) with ``config.seed`` plus
+        the rank.
     """
+    ctx = _check_train_args(config, out_dir, resume, stop_at, ctx)
+    model = _build_model(model, config, train_data, val_data).to(ctx.device)
+    optimizer = configure_optimizer(model, lr=config.lr, weight_decay=config.weight_decay,
+                                    betas=(config.beta1, config.beta2))
+    batch_gen = torch.Generator().manual_seed(config.seed)
+    torch.manual_seed(config.seed + ctx.rank)  # dropout: each rank its own masks
+    history, start = History(), 0
+    if resume:
+        ckpt = load_checkpoint(Path(str(out_dir)), map_location=ctx.device)
+        start, history = resume_run(ckpt, model, optimizer, config, batch_gen, ctx)
+        if tokenizer is None and ckpt["tokenizer"] is not None:
+            tokenizer = tokenizer_from_dict(ckpt["tokenizer"])
+        del ckpt  # free the loaded tensors
+    end = config.max_steps if stop_at is None else min(stop_at, config.max_steps)
+    if start > end:
+        raise ValueError(f"the checkpoint is at step {start}, past the requested end {end}")
+
+    ckpt_path = None if out_dir is None else Path(out_dir) / CHECKPOINT_NAME
+    saved_at = start if resume else -1
+    trainee = wrap_model(model, ctx)
+    splits = {"train": train_data, "val": val_data}
+    B, T = config.batch_size, model.config.context_length
+    trainee.train()
+    wall0 = time.perf_counter()
+    bar = tqdm(total=end, initial=start, disable=not (progress and ctx.is_main),
+               unit="step", dynamic_ncols=True)
+    step = start
+    while True:
+        # Evaluate at multiples of eval_interval and at the very end (a resumed run has
+        # already evaluated its first step before it was saved).
+        if (step % config.eval_interval == 0 or step == config.max_steps) and not (
+                resume and step == start):
+            if ctx.is_main:
+                losses = estimate_loss(model, splits, batch_size=B, context_length=T,
+                                       eval_steps=config.eval_steps, seed=config.seed + 1,
+                                       bf16=config.bf16)
+                _record_eval(history, step, losses, bar, log)
+            if ckpt_path is not None and step > start:
+                save_run(ckpt_path, model, optimizer, config, step=step, history=history,
+                         batch_gen=batch_gen, tokenizer=tokenizer, ctx=ctx)
+                saved_at = step
+        if step >= end:
+            break
+        lr = lr_at(step, lr=config.lr, min_lr=config.min_lr, warmup_steps=config.warmup_steps,
+                   decay_steps=config.schedule_end)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        t0 = time.perf_counter()
+        batches = [rank_batch(train_data, B, T, ctx, generator=batch_gen)
+                   for _ in range(config.grad_accum)]
+        result = train_step(trainee, optimizer, batches, grad_clip=config.grad_clip,
+                            bf16=config.bf16)
+        loss = result.loss
+        if ctx.distributed:  # the loss of the whole global batch, as one process sees it
+            loss = mean_over_ranks(torch.tensor(loss, dtype=torch.float64), ctx).item()
+        history.step.append(step)
+        history.loss.append(loss)
+        history.lr.append(lr)
+        history.grad_norm.append(result.grad_norm)
+        history.step_ms.append((time.perf_counter() - t0) * 1000.0)
+        step += 1
+        bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+        bar.update(1)
+    bar.close()
+    if ckpt_path is not None and step != saved_at:
+        save_run(ckpt_path, model, optimizer, config, step=step, history=history,
+                 batch_gen=batch_gen, tokenizer=tokenizer, ctx=ctx)
+    metrics = _metrics(history, config, model, time.perf_counter() - wall0, ctx)
+    return TrainResult(model, history, metrics)
+
+
+def _check_train_args(config: TrainConfig, out_dir: Path | str | None, resume: bool,
+                      stop_at: int | None, ctx: DistContext | None) -> DistContext:
     if not isinstance(config, TrainConfig):
         raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
     if resume and out_dir is None:
@@ -371,126 +485,45 @@ def train(
     if stop_at is not None and (isinstance(stop_at, bool) or not isinstance(stop_at, int)
                                 or stop_at < 0):
         raise ValueError(f"stop_at must be a non-negative int or None, got {stop_at!r}")
-    device = torch.device(config.device)
-    ckpt = load_checkpoint(Path(out_dir), map_location=device) if resume and out_dir else None
+    if ctx is None:
+        return DistContext(device=torch.device(config.device))
+    if not isinstance(ctx, DistContext):
+        raise TypeError(f"ctx must be a DistContext, got {type(ctx).__name__}")
+    return ctx
 
+
+def _build_model(model: GPT | GPTConfig, config: TrainConfig, train_data: np.ndarray,
+                 val_data: np.ndarray) -> GPT:
     if isinstance(model, GPTConfig):
         torch.manual_seed(config.seed)  # the initial weights
         model = GPT(model)
     elif not isinstance(model, GPT):
         raise TypeError(f"model must be a GPT or a GPTConfig, got {type(model).__name__}")
-    model_config = model.config
+    T = model.config.context_length
     for name, data in (("train_data", train_data), ("val_data", val_data)):
-        if len(data) <= model_config.context_length:
+        if len(data) <= T:
             raise ValueError(f"{name} has {len(data)} tokens; it needs more than "
-                             f"context_length={model_config.context_length}")
-    model.to(device)
-    optimizer = configure_optimizer(model, lr=config.lr, weight_decay=config.weight_decay,
-                                    betas=(config.beta1, config.beta2))
-    batch_gen = torch.Generator().manual_seed(config.seed)
-    torch.manual_seed(config.seed)  # dropout
-    history = History()
-    start = 0
-    if ckpt is not None:
-        if ckpt["model_config"] != model_config.model_dump():
-            raise ValueError("the model's configuration differs from the checkpoint's; "
-                             "resume with the checkpoint's GPTConfig")
-        saved = TrainConfig(**ckpt["train_config"])
-        if saved.model_dump(exclude={"max_steps"}) != config.model_dump(exclude={"max_steps"}):
-            raise ValueError("resume=True continues the saved run: only max_steps may differ "
-                             "from the checkpoint's TrainConfig")
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        batch_gen.set_state(ckpt["rng"]["batches"])
-        torch.set_rng_state(ckpt["rng"]["torch"])
-        if "cuda" in ckpt["rng"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
-        history = History(**ckpt["history"])
-        start = int(ckpt["step"])
-        if tokenizer is None and ckpt["tokenizer"] is not None:
-            tokenizer = tokenizer_from_dict(ckpt["tokenizer"])
-    resumed, ckpt = ckpt is not None, None  # free the loaded tensors
-
-    end = config.max_steps if stop_at is None else min(stop_at, config.max_steps)
-    if start > end:
-        raise ValueError(f"the checkpoint is at step {start}, past the requested end {end}")
-    ckpt_path = None if out_dir is None else Path(out_dir) / CHECKPOINT_NAME
-    splits = {"train": train_data, "val": val_data}
-    B, T, accum = config.batch_size, model_config.context_length, config.grad_accum
-    decay_steps = config.decay_steps if config.decay_steps is not None else config.max_steps
-
-    saved_at = start if resumed else -1
-
-    def save(step: int) -> None:
-        nonlocal saved_at
-        if ckpt_path is not None and step != saved_at:
-            save_checkpoint(ckpt_path, model, optimizer, config, step=step, history=history,
-                            batch_gen=batch_gen, tokenizer=tokenizer)
-            saved_at = step
-
-    model.train()
-    wall0 = time.perf_counter()
-    bar = tqdm(total=end, initial=start, disable=not progress, unit="step", dynamic_ncols=True)
-    postfix: dict[str, str] = {}
-    step = start
-    while True:
-        # Evaluate at multiples of eval_interval and at the very end (a resumed run has
-        # already evaluated its first step before it was saved).
-        if (step % config.eval_interval == 0 or step == config.max_steps) and not (
-                resumed and step == start):
-            losses = estimate_loss(model, splits, batch_size=B, context_length=T,
-                                   eval_steps=config.eval_steps, seed=config.seed + 1,
-                                   bf16=config.bf16)
-            history.eval_step.append(step)
-            history.train_loss.append(losses["train"])
-            history.val_loss.append(losses["val"])
-            postfix["val"] = f"{losses['val']:.4f}"
-            bar.set_postfix(postfix)
-            if log is not None:
-                log(f"step {step}: train loss {losses['train']:.4f}, "
-                    f"val loss {losses['val']:.4f}")
-            if step > start:
-                save(step)
-        if step >= end:
-            break
-
-        lr = lr_at(step, lr=config.lr, min_lr=config.min_lr, warmup_steps=config.warmup_steps,
-                   decay_steps=decay_steps)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        t0 = time.perf_counter()
-        loss_sum = torch.zeros((), device=device)
-        for _ in range(accum):
-            x, y = get_batch(train_data, B, T, generator=batch_gen, device=device)
-            with _autocast(device, config.bf16):
-                loss = lm_loss(model, x, y)
-            # The step's gradient is the mean over all accum * B sequences, so each
-            # micro-batch's mean loss enters with weight 1 / accum.
-            (loss / accum).backward()  # type: ignore[no-untyped-call]
-            loss_sum += loss.detach().float()
-        if config.grad_clip > 0.0:
-            nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss_value = loss_sum.item() / accum  # .item() waits for the step to finish
-        step_ms = (time.perf_counter() - t0) * 1000.0
-        history.step.append(step)
-        history.loss.append(loss_value)
-        history.lr.append(lr)
-        history.step_ms.append(step_ms)
-        step += 1
-        postfix["loss"] = f"{loss_value:.4f}"
-        bar.set_postfix(postfix, refresh=False)
-        bar.update(1)
-    bar.close()
-    total_seconds = time.perf_counter() - wall0
-    save(step)
-    return TrainResult(model, history, _metrics(history, config, model, total_seconds))
+                             f"context_length={T}")
+    return model
 
 
-def _metrics(history: History, config: TrainConfig, model: GPT,
-             total_seconds: float) -> dict[str, Any]:
-    tokens_per_step = config.batch_size * config.grad_accum * model.config.context_length
+def _record_eval(history: History, step: int, losses: dict[str, float], bar: Any,
+                 log: Callable[[str], None] | None) -> None:
+    history.eval_step.append(step)
+    history.train_loss.append(losses["train"])
+    history.val_loss.append(losses["val"])
+    bar.set_postfix(val=f"{losses['val']:.4f}")
+    if log is not None:
+        log(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+
+
+def _metrics(history: History, config: TrainConfig, model: GPT, total_seconds: float,
+             ctx: DistContext) -> dict[str, Any]:
+    """final_train_loss, final_val_loss, median_step_ms, tokens_per_second (all ranks),
+    steps, train_seconds (sum of step times), total_seconds (wall time, incl. evaluation),
+    world_size and effective_batch_size (sequences per optimiser step, all ranks)."""
+    effective = config.batch_size * config.grad_accum * ctx.world_size
+    tokens_per_step = effective * model.config.context_length
     train_seconds = sum(history.step_ms) / 1000.0
     return {
         "final_train_loss": history.train_loss[-1] if history.train_loss else None,
@@ -504,6 +537,8 @@ def _metrics(history: History, config: TrainConfig, model: GPT,
         "total_seconds": total_seconds,
         "num_parameters": model.num_parameters(),
         "torch_threads": torch.get_num_threads(),
+        "world_size": ctx.world_size,
+        "effective_batch_size": effective,
     }
 
 
@@ -513,7 +548,9 @@ def _metrics(history: History, config: TrainConfig, model: GPT,
 # field's name with dashes, so an error about a field names the flag to fix.
 _MODEL_FLAGS = ("n_layers", "n_heads", "d_model", "d_ff", "context_length", "dropout", "bias")
 _TRAIN_FLAGS = tuple(TrainConfig.model_fields)
-_RESUMABLE = {"max_steps", "stop_at", "no_progress", "threads", "out", "resume"}
+_RESUMABLE = {"max_steps", "stop_at", "no_progress", "threads", "out", "resume", "device",
+              "backend", "nproc_per_node", "master_port"}
+_LAUNCHER_FLAGS = ("--nproc-per-node", "--master-port")
 
 
 def _flag(name: str) -> str:
@@ -528,6 +565,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Train a GPT on a text file. The defaults are nanoGPT's CPU recipe for "
                     "character-level Shakespeare.",
         argument_default=argparse.SUPPRESS,  # only the flags given appear in the namespace
+        allow_abbrev=False,  # the launcher removes its own flags by their full names
     )
     data = p.add_argument_group("data")
     data.add_argument("--text", metavar="PATH",
@@ -563,6 +601,18 @@ def _parser() -> argparse.ArgumentParser:
                    help="stop (and checkpoint) after STEP steps; --resume continues")
     r.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    d_ = p.add_argument_group(
+        "several processes (data parallel; or launch with torchrun --nproc-per-node=N)")
+    d_.add_argument("--nproc-per-node", type=int, metavar="N",
+                    help="start N training processes on this machine (one per GPU; a few on "
+                         "a CPU); each reads --batch-size sequences per micro-batch")
+    d_.add_argument("--master-port", type=int, metavar="PORT",
+                    help="TCP port on 127.0.0.1 for the processes to meet (default: a free one)")
+    d_.add_argument("--backend", choices=("gloo", "nccl"),
+                    help="communication backend (default: nccl on CUDA, gloo on CPU)")
+    d_.add_argument("--global-batch-size", type=int, metavar="N",
+                    help="sequences per optimiser step over all processes; sets --grad-accum "
+                         "to N / (batch size x processes), which must be a whole number")
     return p
 
 
@@ -583,8 +633,7 @@ def _write_json(path: Path, data: Any) -> None:
 
 def _run(args: dict[str, Any]) -> int:
     # Imported here: data reads the corpus, which the other commands do not need.
-    from minigpt.data import load_ids, prepare_dataset, shakespeare_text
-    from minigpt.tokenizer import get_tokenizer
+    from minigpt.data import load_ids, prepare_dataset
 
     if "threads" in args:
         if args["threads"] < 1:
@@ -594,78 +643,195 @@ def _run(args: dict[str, Any]) -> int:
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} exists and is not a directory")
     if args.get("resume"):
-        extra = sorted(_flag(k) for k in args if k not in _RESUMABLE)
-        if extra:
-            raise ValueError(f"--resume continues the run saved in --out with its own settings; "
-                             f"drop {', '.join(extra)} (only --max-steps may change)")
-        ckpt = load_checkpoint(out)
-        saved = ckpt["train_config"] | {k: args[k] for k in ("max_steps",) if k in args}
-        model_config, config = GPTConfig(**ckpt["model_config"]), TrainConfig(**saved)
-        tokenizer = (tokenizer_from_dict(ckpt["tokenizer"]) if ckpt["tokenizer"] else None)
-        del ckpt
+        model_config, config, tokenizer, text, text_source = _resumed_settings(args, out)
+    else:
+        model_config, config, tokenizer, text, text_source = _new_settings(args)
+    ctx = init_distributed(config.device, args.get("backend"))
+    try:
+        config = _split_global_batch(args, config, ctx)
+        if text is not None and tokenizer is not None and ctx.is_main:
+            out.mkdir(parents=True, exist_ok=True)
+            prepare_dataset(text, tokenizer, out)
+        barrier(ctx)  # the id files exist before any rank reads them
         for name in ("train.bin", "val.bin"):
             if not (out / name).is_file():
                 raise FileNotFoundError(f"{out / name} is missing; cannot resume without it")
         train_ids, val_ids = load_ids(out / "train.bin"), load_ids(out / "val.bin")
-        text_source = None
+        result = train(model_config, config, train_ids, val_ids, tokenizer=tokenizer,
+                       out_dir=out, resume=bool(args.get("resume")),
+                       stop_at=args.get("stop_at"), progress=not args.get("no_progress"),
+                       log=tqdm.write if ctx.is_main else None, ctx=ctx)
+        if ctx.is_main:
+            _report(result, config, out, val_ids, tokenizer, text_source, train_ids)
+    finally:
+        shutdown(ctx)
+    return 0
+
+
+def _new_settings(args: dict[str, Any]) -> tuple[GPTConfig, TrainConfig, Tokenizer, str, str]:
+    from minigpt.data import shakespeare_text, split_text
+    from minigpt.tokenizer import get_tokenizer
+
+    kind = args.get("tokenizer", "char")
+    if "bpe_vocab_size" in args and kind != "bpe":
+        raise ValueError("--bpe-vocab-size applies only with --tokenizer bpe")
+    if "global_batch_size" in args and "grad_accum" in args:
+        raise ValueError("give --global-batch-size or --grad-accum, not both: the global "
+                         "batch size sets the accumulation steps")
+    config = TrainConfig(**{k: args[k] for k in _TRAIN_FLAGS if k in args})
+    if "text" in args:
+        path = Path(args["text"])
+        if not path.is_file():
+            raise FileNotFoundError(f"--text {path}: no such file")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(f"--text {path} is not UTF-8 text ({err.reason} at byte "
+                             f"{err.start})") from None
+        text_source = str(path)
     else:
-        kind = args.get("tokenizer", "char")
-        if "bpe_vocab_size" in args and kind != "bpe":
-            raise ValueError("--bpe-vocab-size applies only with --tokenizer bpe")
-        config = TrainConfig(**{k: args[k] for k in _TRAIN_FLAGS if k in args})
-        if "text" in args:
-            path = Path(args["text"])
-            if not path.is_file():
-                raise FileNotFoundError(f"--text {path}: no such file")
-            try:
-                text = path.read_text(encoding="utf-8")
-            except UnicodeDecodeError as err:
-                raise ValueError(f"--text {path} is not UTF-8 text ({err.reason} at byte "
-                                 f"{err.start})") from None
-            text_source = str(path)
-        else:
-            text = shakespeare_text()
-            text_source = "minigpt.data.shakespeare_text()"
-        if not text:
-            raise ValueError("the text is empty")
-        if kind == "bpe":
-            from minigpt.data import split_text
+        text, text_source = shakespeare_text(), "minigpt.data.shakespeare_text()"
+    if not text:
+        raise ValueError("the text is empty")
+    if kind == "bpe":
+        # BPE is trained on the training split only: validation text stays unseen.
+        tokenizer = get_tokenizer("bpe", split_text(text)[0],
+                                  vocab_size=args.get("bpe_vocab_size"))
+    else:
+        tokenizer = get_tokenizer(kind, text)
+    model_args = {k: args[k] for k in _MODEL_FLAGS if k in args}
+    model_config = GPTConfig.shakespeare_cpu(tokenizer.vocab_size, **model_args)
+    return model_config, config, tokenizer, text, text_source
 
-            # BPE is trained on the training split only: validation text stays unseen.
-            tokenizer = get_tokenizer("bpe", split_text(text)[0],
-                                      vocab_size=args.get("bpe_vocab_size"))
-        else:
-            tokenizer = get_tokenizer(kind, text)
-        model_args = {k: args[k] for k in _MODEL_FLAGS if k in args}
-        model_config = GPTConfig.shakespeare_cpu(tokenizer.vocab_size, **model_args)
-        out.mkdir(parents=True, exist_ok=True)
-        train_ids, val_ids = prepare_dataset(text, tokenizer, out)
 
-    log = tqdm.write
-    result = train(model_config, config, train_ids, val_ids, tokenizer=tokenizer, out_dir=out,
-                   resume=bool(args.get("resume")), stop_at=args.get("stop_at"),
-                   progress=not args.get("no_progress"), log=log)
+def _resumed_settings(args: dict[str, Any], out: Path,
+                      ) -> tuple[GPTConfig, TrainConfig, Tokenizer | None, None, None]:
+    extra = sorted(_flag(k) for k in args if k not in _RESUMABLE)
+    if extra:
+        raise ValueError(f"--resume continues the run saved in --out with its own settings; "
+                         f"drop {', '.join(extra)} (only --max-steps and --device may change)")
+    ckpt = load_checkpoint(out)
+    # The device may change (a run saved on a GPU machine continues on a CPU, or back).
+    saved = ckpt["train_config"] | {k: args[k] for k in ("max_steps", "device") if k in args}
+    if "device" not in args and saved["device"] != "cpu" and not torch.cuda.is_available():
+        raise ValueError(f"the run in {out} was trained on {saved['device']!r}, which this "
+                         "machine lacks; add --device cpu to continue it here")
+    model_config, config = GPTConfig(**ckpt["model_config"]), TrainConfig(**saved)
+    tokenizer = tokenizer_from_dict(ckpt["tokenizer"]) if ckpt["tokenizer"] else None
+    return model_config, config, tokenizer, None, None
+
+
+def _split_global_batch(args: dict[str, Any], config: TrainConfig,
+                        ctx: DistContext) -> TrainConfig:
+    """The config with grad_accum set from --global-batch-size, if given."""
+    if "global_batch_size" not in args:
+        return config
+    total, per = args["global_batch_size"], config.batch_size * ctx.world_size
+    if total < 1 or total % per:
+        raise ValueError(f"--global-batch-size {total} does not split into micro-batches of "
+                         f"--batch-size {config.batch_size} x {ctx.world_size} process(es): "
+                         f"it must be a positive multiple of {per}")
+    return config.model_copy(update={"grad_accum": total // per})
+
+
+def _report(result: TrainResult, config: TrainConfig, out: Path, val_ids: np.ndarray,
+            tokenizer: Tokenizer | None, text_source: str | None,
+            train_ids: np.ndarray) -> None:
+    """Write metrics.json and history.json into ``out`` and print a one-line summary."""
+    model = result.model
     metrics = result.metrics | {
-        "final_val_loss_full": full_loss(result.model, val_ids, bf16=config.bf16),
-        "model_config": model_config.model_dump(),
+        "final_val_loss_full": full_loss(model, val_ids, bf16=config.bf16),
+        "model_config": model.config.model_dump(),
         "train_config": config.model_dump(),
         "tokenizer": None if tokenizer is None else tokenizer.name,
-        "vocab_size": model_config.vocab_size,
+        "vocab_size": model.config.vocab_size,
         "text": text_source,
         "train_tokens": len(train_ids),
         "val_tokens": len(val_ids),
     }
     _write_json(out / METRICS_NAME, metrics)
     _write_json(out / "history.json", asdict(result.history))
-    m = result.metrics
-    ms = m["median_step_ms"]
-    speed = (f"median {ms:.1f} ms/step, {m['tokens_per_second']:,.0f} tokens/s"
+    ms = metrics["median_step_ms"]
+    speed = (f"median {ms:.1f} ms/step, {metrics['tokens_per_second']:,.0f} tokens/s"
              if ms is not None else "no steps run")
-    val = m["final_val_loss"]
-    print(f"step {m['steps']}: val loss {val:.4f} (whole split: "
+    val = metrics["final_val_loss"]
+    print(f"step {metrics['steps']}: val loss {val:.4f} (whole split: "
           f"{metrics['final_val_loss_full']:.4f}); " if val is not None else "", end="")
     print(f"{speed}; wrote {out / CHECKPOINT_NAME} and {out / METRICS_NAME}")
-    return 0
+
+
+def _launch(args: dict[str, Any], argv: Sequence[str]) -> int:
+    """Start --nproc-per-node copies of this command on this machine, as torchrun does:
+    each with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in its
+    environment. Settings that cannot work are refused before any process starts."""
+    n = args["nproc_per_node"]
+    if n < 1:
+        raise ValueError(f"--nproc-per-node must be >= 1, got {n}")
+    device = torch.device(args.get("device", "cpu"))
+    choose_backend(device, args.get("backend"))
+    if device.type == "cuda" and n > torch.cuda.device_count():
+        raise ValueError(f"--nproc-per-node {n} but this machine has "
+                         f"{torch.cuda.device_count()} GPU(s): one process per GPU")
+    if args.get("resume"):
+        saved = load_checkpoint(Path(args["out"]))["world_size"]
+        if saved != n:
+            raise ValueError(f"the run in {args['out']} was trained by {saved} process(es); "
+                             f"resume it with --nproc-per-node {saved}")
+    elif "global_batch_size" in args:
+        per = args.get("batch_size", TrainConfig().batch_size) * n
+        if args["global_batch_size"] < 1 or args["global_batch_size"] % per:
+            raise ValueError(f"--global-batch-size {args['global_batch_size']} does not split "
+                             f"into micro-batches of --batch-size {per // n} x {n} processes: "
+                             f"it must be a positive multiple of {per}")
+    if "master_port" in args:
+        check_port(args["master_port"])
+    port = args.get("master_port") or free_port()
+    rest = _without_launcher_flags(argv)
+    procs = []
+    for rank in range(n):
+        env = os.environ | {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(n),
+                            "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
+                            "MASTER_PORT": str(port)}
+        # Like torchrun: the processes share the cores instead of each taking all of them.
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
+        procs.append(subprocess.Popen([sys.executable, "-m", "minigpt", "train", *rest],
+                                      env=env))
+    return _wait_all(procs)
+
+
+def _without_launcher_flags(argv: Sequence[str]) -> list[str]:
+    rest, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in _LAUNCHER_FLAGS:
+            skip = True
+        elif not arg.startswith(tuple(f + "=" for f in _LAUNCHER_FLAGS)):
+            rest.append(arg)
+    return rest
+
+
+def _wait_all(procs: list[subprocess.Popen[bytes]]) -> int:
+    """Wait for every process; when one fails, stop the others. Returns the first failure's
+    exit status (0 if all succeed)."""
+    status = 0
+    try:
+        while any(p.poll() is None for p in procs):
+            failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
+            if failed:
+                status = failed[0]
+                for p in procs:
+                    if p.poll() is None:
+                        p.terminate()
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        for p in procs:
+            p.send_signal(signal.SIGINT)
+        for p in procs:
+            p.wait()
+        return 130
+    codes = [p.returncode for p in procs]
+    return status or next((c for c in codes if c != 0), 0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -674,13 +840,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = vars(_parser().parse_args(argv))
     except SystemExit as exit_:  # argparse has printed the usage and the error (or --help)
         return int(exit_.code) if isinstance(exit_.code, int) else 2
+    where = ""
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        where = f" (rank {os.environ.get('RANK')} of {os.environ.get('WORLD_SIZE')})"
     try:
+        if "nproc_per_node" in args and "RANK" not in os.environ:
+            return _launch(args, list(sys.argv[2:] if argv is None else argv))
         return _run(args)
     except ValidationError as err:
-        print(f"minigpt train: error: {_explain(err)}", file=sys.stderr)
+        print(f"minigpt train: error{where}: {_explain(err)}", file=sys.stderr)
         return 2
-    except (OSError, ValueError) as err:
-        print(f"minigpt train: error: {err}", file=sys.stderr)
+    except (OSError, ValueError, DistributedError) as err:
+        print(f"minigpt train: error{where}: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"minigpt train: interrupted; resume from the last checkpoint with "
