@@ -438,7 +438,9 @@ def train(
         if (step % config.eval_interval == 0 or step == config.max_steps) and not (
                 resume and step == start):
             if ctx.is_main:
-                losses = estimate_loss(model, splits, batch_size=B, context_length=T,
+                # Scored on global batches, so that the numbers do not depend on the world.
+                losses = estimate_loss(model, splits, batch_size=B * ctx.world_size,
+                                       context_length=T,
                                        eval_steps=config.eval_steps, seed=config.seed + 1,
                                        bf16=config.bf16)
                 _record_eval(history, step, losses, bar, log)

@@ -1,0 +1,239 @@
+"""Data-parallel training: two real processes (gloo, on the CPU) against one.
+
+Each multi-process test starts its ranks as separate Python processes that meet on a free
+port of 127.0.0.1, exactly as `python -m minigpt train --nproc-per-node 2` or torchrun
+starts them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from minigpt import GPT, GPTConfig
+from minigpt.parallel import (
+    DistContext,
+    DistributedError,
+    choose_backend,
+    free_port,
+    init_distributed,
+    rank_batch,
+)
+from minigpt.train import configure_optimizer, main, train_step
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# One optimiser step on a fixed batch of 8 sequences; rank r of 2 takes rows 4r..4r+3,
+# as 2 micro-batches of 2 (so accumulation and the all-reduce are both exercised).
+STEP_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    from minigpt import GPT, GPTConfig
+    from minigpt.parallel import init_distributed, shutdown, wrap_model
+    from minigpt.train import configure_optimizer, train_step
+    torch.set_num_threads(1)
+    ctx = init_distributed("cpu")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=11, context_length=8, d_model=16, n_heads=2,
+                          n_layers=2))
+    x = torch.randint(0, 11, (8, 8), generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 11, (8, 8), generator=torch.Generator().manual_seed(2))
+    mine = slice(4 * ctx.rank, 4 * ctx.rank + 4)
+    xs, ys = x[mine], y[mine]
+    opt = configure_optimizer(model, lr=1e-2, weight_decay=0.1)
+    train_step(wrap_model(model, ctx), opt, [(xs[:2], ys[:2]), (xs[2:], ys[2:])],
+               grad_clip=1.0)
+    torch.save(model.state_dict(), sys.argv[1] + f"/rank{ctx.rank}.pt")
+    shutdown(ctx)
+""")
+
+
+def _ranks(n: int, argv: list[str], tmp: Path) -> list[subprocess.CompletedProcess[str]]:
+    """Run ``python argv`` as ranks 0..n-1 of one process group; returns their results."""
+    port = str(free_port())
+    procs = []
+    for rank in range(n):
+        env = os.environ | {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(n),
+                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                            "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, *argv], env=env, cwd=tmp, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return results
+
+
+def test_one_step_on_two_ranks_equals_one_process_on_the_whole_batch(tmp_path: Path) -> None:
+    script = tmp_path / "step.py"
+    script.write_text(STEP_SCRIPT)
+    for r in _ranks(2, [str(script), str(tmp_path)], tmp_path):
+        assert r.returncode == 0, r.stderr
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=11, context_length=8, d_model=16, n_heads=2, n_layers=2))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randint(0, 11, (8, 8), generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 11, (8, 8), generator=torch.Generator().manual_seed(2))
+    opt = configure_optimizer(model, lr=1e-2, weight_decay=0.1)
+    train_step(model, opt, [(x, y)], grad_clip=1.0)
+    for name, value in model.state_dict().items():
+        assert torch.equal(ranks[0][name], ranks[1][name]), name  # identical updates
+        assert torch.allclose(ranks[0][name], value, rtol=0, atol=2e-6), name
+    moved = sum(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert moved > 10  # the step did change the weights (the comparison is not vacuous)
+
+
+def test_rank_batches_partition_the_global_batch() -> None:
+    data = np.arange(1000, dtype=np.uint16)
+    whole = rank_batch(data, 6, 5, DistContext(), generator=torch.Generator().manual_seed(3))
+    parts = [rank_batch(data, 2, 5, DistContext(rank=r, world_size=3),
+                        generator=torch.Generator().manual_seed(3)) for r in range(3)]
+    assert torch.equal(torch.cat([x for x, _ in parts]), whole[0])
+    assert torch.equal(torch.cat([y for _, y in parts]), whole[1])
+
+
+TRAIN_FLAGS = ["--n-layers", "2", "--n-heads", "2", "--d-model", "32", "--context-length", "16",
+               "--eval-interval", "10", "--eval-steps", "2", "--warmup-steps", "2",
+               "--no-progress", "--threads", "1"]
+
+RESUME_FLAGS = ("--no-progress", "--threads", "1")
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from minigpt.data import shakespeare_text
+
+    path = tmp_path_factory.mktemp("text") / "text.txt"
+    path.write_text(shakespeare_text()[:60_000], encoding="utf-8")
+    return path
+
+
+def _train(args: list[str], out: Path, text: Path | None = None,
+           flags: tuple[str, ...] = tuple(TRAIN_FLAGS)) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "minigpt", "train", *flags, *args, "--out", str(out)]
+    if text is not None:
+        cmd += ["--text", str(text)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env=os.environ | {"OMP_NUM_THREADS": "1"})
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, text_file: Path) -> Iterator[Path]:
+    root = tmp_path_factory.mktemp("runs")
+    one = _train(["--batch-size", "8", "--max-steps", "20"], root / "one", text_file)
+    two = _train(["--batch-size", "4", "--max-steps", "20", "--nproc-per-node", "2"],
+                 root / "two", text_file)
+    for r in (one, two):
+        assert r.returncode == 0, r.stderr
+    (root / "two.stdout").write_text(two.stdout)
+    yield root
+
+
+def test_two_process_run_equals_the_one_process_run(runs: Path) -> None:
+    one, two = (json.loads((runs / d / "history.json").read_text()) for d in ("one", "two"))
+    assert len(one["loss"]) == len(two["loss"]) == 20
+    assert np.max(np.abs(np.subtract(one["loss"], two["loss"]))) < 1e-4
+    assert np.max(np.abs(np.subtract(one["val_loss"], two["val_loss"]))) < 1e-4
+    assert one["loss"][-1] < one["loss"][0] - 0.3  # it learned something
+    metrics = json.loads((runs / "two" / "metrics.json").read_text())
+    assert metrics["world_size"] == 2 and metrics["effective_batch_size"] == 8
+    single = json.loads((runs / "one" / "metrics.json").read_text())
+    assert abs(metrics["final_val_loss_full"] - single["final_val_loss_full"]) < 1e-4
+    # Only rank 0 reports: one summary line, one set of files.
+    assert (runs / "two.stdout").read_text().count("wrote ") == 1
+
+
+def test_two_process_resume_continues_the_same_run(runs: Path, tmp_path: Path,
+                                                   text_file: Path) -> None:
+    out = tmp_path / "stopped"
+    base = ["--batch-size", "4", "--max-steps", "20", "--nproc-per-node", "2"]
+    assert _train([*base, "--stop-at", "10"], out, text_file).returncode == 0
+    resumed = _train(["--resume", "--nproc-per-node", "2"], out, flags=RESUME_FLAGS)
+    assert resumed.returncode == 0, resumed.stderr
+    straight = json.loads((runs / "two" / "history.json").read_text())
+    again = json.loads((out / "history.json").read_text())
+    assert again["loss"] == straight["loss"] and again["val_loss"] == straight["val_loss"]
+
+    # Another number of processes is refused, before or after the processes start.
+    for extra, needle in ((["--nproc-per-node", "3"], "resume it with --nproc-per-node 2"),
+                          ([], "written by a run of 2 process(es) and this run has 1")):
+        r = _train(["--resume", *extra], out, flags=RESUME_FLAGS)
+        assert r.returncode == 1 and needle in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--nproc-per-node", "2", "--backend", "nccl"], "the nccl backend needs CUDA GPUs"),
+    (["--nproc-per-node", "2", "--batch-size", "4", "--global-batch-size", "12"],
+     "--global-batch-size 12 does not split into micro-batches of --batch-size 4 x 2 "
+     "processes: it must be a positive multiple of 8"),
+    (["--nproc-per-node", "0"], "--nproc-per-node must be >= 1"),
+    (["--global-batch-size", "8", "--grad-accum", "2"], "not both"),
+])
+def test_bad_settings_are_refused_before_any_process_starts(
+        argv: list[str], needle: str, tmp_path: Path, text_file: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*TRAIN_FLAGS, *argv, "--text", str(text_file), "--out",
+                 str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+    assert not (tmp_path / "o" / "checkpoint.pt").exists()
+
+
+def test_a_port_in_use_is_named(tmp_path: Path, text_file: Path,
+                                capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        argv = [*TRAIN_FLAGS, "--text", str(text_file), "--out", str(tmp_path / "o")]
+        assert main([*argv, "--nproc-per-node", "2", "--master-port", str(port)]) == 1
+        assert f"--master-port {port}: cannot listen on 127.0.0.1:{port}" in \
+            capsys.readouterr().err
+        # A rank started by torchrun (environment variables) on a busy port says so too.
+        r = subprocess.run([sys.executable, "-m", "minigpt", "train", *argv], text=True,
+                           capture_output=True, timeout=120,
+                           env=os.environ | {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2",
+                                             "MASTER_ADDR": "127.0.0.1",
+                                             "MASTER_PORT": str(port)})
+        assert r.returncode == 1 and "Traceback" not in r.stderr
+        assert f"the rendezvous port 127.0.0.1:{port} is in use" in r.stderr
+
+
+def test_global_batch_size_sets_accumulation(tmp_path: Path, text_file: Path) -> None:
+    r = _train(["--batch-size", "4", "--global-batch-size", "12", "--max-steps", "2"],
+               tmp_path / "acc", text_file)
+    assert r.returncode == 0, r.stderr
+    metrics = json.loads((tmp_path / "acc" / "metrics.json").read_text())
+    assert metrics["train_config"]["grad_accum"] == 3 and metrics["effective_batch_size"] == 12
+
+
+def test_backend_choice() -> None:
+    assert choose_backend(torch.device("cpu"), None) == "gloo"
+    with pytest.raises(DistributedError, match="nccl backend needs CUDA GPUs"):
+        choose_backend(torch.device("cpu"), "nccl")
+    with pytest.raises(DistributedError, match="'mpi' is not supported"):
+        choose_backend(torch.device("cpu"), "mpi")
+
+
+def test_without_torchrun_one_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    ctx = init_distributed("cpu")
+    assert (ctx.rank, ctx.world_size, ctx.is_main, ctx.distributed) == (0, 1, True, False)
+    monkeypatch.setenv("RANK", "x")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(DistributedError, match="RANK='x' is not an integer"):
+        init_distributed("cpu")
