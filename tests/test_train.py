@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 import os
-from unittest import mock
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -16,11 +16,11 @@ from minigpt.checkpoint import load_checkpoint
 from minigpt.parallel import DistContext
 from minigpt.tokenizer import CharTokenizer
 from minigpt.train import (
+    History,
     TrainConfig,
     configure_optimizer,
     estimate_loss,
     full_loss,
-    History,
     lr_at,
     resume_run,
     save_run,
