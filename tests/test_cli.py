@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from minigpt.checkpoint import load_checkpoint
 from minigpt.cli import main
 from minigpt.generate import beam_search
 from minigpt.sample import load_model
-from minigpt.checkpoint import load_checkpoint
 
 TEXT = "".join(
     f"{who}:\nWhat say you, {whom}? The night is {mood} and the hour grows late.\n\n"

@@ -15,11 +15,11 @@ from typing import NamedTuple
 import torch
 from pydantic import ValidationError
 
+from minigpt.checkpoint import load_checkpoint
 from minigpt.config import GPTConfig
 from minigpt.generate import beam_search, generate
 from minigpt.model import GPT
 from minigpt.tokenizer import Tokenizer, tokenizer_from_dict
-from minigpt.checkpoint import load_checkpoint
 
 
 class LoadedModel(NamedTuple):
