@@ -151,3 +151,18 @@ def test_model_cache_errors(model: GPT) -> None:
         with pytest.raises(TypeError, match="cache must be a KVCache"):
             model(torch.zeros(1, 1, dtype=torch.long), cache=[])  # type: ignore[arg-type]
     assert cache.length == 10  # a refused call stores nothing
+
+
+def test_crop_forgets_the_last_positions(model: GPT) -> None:
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    cache = model.new_cache()
+    with torch.no_grad():
+        model(ids, cache=cache)
+        cache.crop(3)  # keep 1, 2, 3; then read 9 at position 3
+        cropped = model(torch.tensor([[9]]), cache=cache)[0, -1]
+        direct = model(torch.tensor([[1, 2, 3, 9]]))[0, -1]
+    assert cache.length == 4
+    assert torch.allclose(cropped, direct, atol=1e-5)
+    for bad in (5, -1, 1.0):
+        with pytest.raises(ValueError, match=r"crop length must be an int in \[0, 4\]"):
+            cache.crop(bad)  # type: ignore[arg-type]

@@ -297,6 +297,15 @@ class KVCache:
         for layer in self.layers:
             layer.length, layer.keys, layer.values = 0, None, None
 
+    def crop(self, length: int) -> None:
+        """Keep only the first ``length`` positions (speculative decoding drops the keys and
+        values of rejected draft tokens); the next token fed sits at position ``length``."""
+        if isinstance(length, bool) or not isinstance(length, int) \
+                or not 0 <= length <= self.length:
+            raise ValueError(f"crop length must be an int in [0, {self.length}], got {length!r}")
+        for layer in self.layers:
+            layer.length = length
+
     def reorder(self, index: Tensor) -> None:
         """Keep sequence ``index[b]`` as the new sequence b (beam search), in every layer.
 

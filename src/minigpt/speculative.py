@@ -1,0 +1,225 @@
+"""Speculative sampling: a small draft model proposes tokens, the target model checks them.
+
+Each round the draft model proposes k tokens, one cheap forward pass each, and the target
+model scores all of them in a single forward pass. Proposal x_i, drawn from the draft's
+q_i, is accepted with probability min(1, p_i(x_i) / q_i(x_i)), p_i being the target's
+distribution at that position; at the first rejection a token is drawn from the residual
+max(0, p_i - q_i), normalised, and the round ends. If all k are accepted, the target's
+pass has already computed p_{k+1}, and one more token is drawn from it. The tokens that
+come out are distributed exactly as if drawn from the target alone, one at a time
+(Leviathan et al., 2023; Chen et al., 2023): the draft changes the speed, never the text's
+distribution. Temperature, top-k and top-p reshape p and q alike; with greedy decoding
+both are one-hot and the result is exactly the target's greedy continuation.
+
+Both models keep a key-value cache; the positions of rejected proposals are cropped off.
+Learned absolute positions cannot slide a cached window, so once the sequence fills the
+context, the remaining tokens are drawn from the target one pass at a time, as `generate`
+does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from minigpt.generate import (
+    _check_int,
+    _check_real,
+    _next_logits,
+    _prompt_tensor,
+    apply_temperature,
+    top_k_filter,
+    top_p_filter,
+)
+from minigpt.model import GPT
+
+
+class SpeculativeResult(NamedTuple):
+    """What `speculative_generate` returns.
+
+    Attributes:
+        ids: (T + N,) the prompt followed by the N new tokens.
+        prompt_length: T.
+        target_passes: forward passes of the target model (the prompt's included).
+        draft_passes: forward passes of the draft model.
+        proposed: draft tokens proposed in all rounds.
+        accepted: of those, how many the target accepted.
+    """
+
+    ids: Tensor
+    prompt_length: int
+    target_passes: int
+    draft_passes: int
+    proposed: int
+    accepted: int
+
+    @property
+    def acceptance_rate(self) -> float:
+        """accepted / proposed (nan when nothing was proposed)."""
+        return self.accepted / self.proposed if self.proposed else float("nan")
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """New tokens per forward pass of the target (plain sampling: 1)."""
+        new = int(self.ids.shape[0]) - self.prompt_length
+        return new / self.target_passes if self.target_passes else float("nan")
+
+
+def next_token_distribution(logits: Tensor, *, temperature: float = 1.0,
+                            top_k: int | None = None, top_p: float | None = None,
+                            greedy: bool = False) -> Tensor:
+    """The distribution a sampler draws from: logits (..., V) -> probabilities (..., V).
+
+    Greedy decoding (or temperature 0) is the one-hot distribution of the argmax.
+    """
+    if greedy or temperature == 0.0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
+    logits = apply_temperature(logits, temperature)
+    if top_k is not None:
+        logits = top_k_filter(logits, top_k)
+    if top_p is not None:
+        logits = top_p_filter(logits, top_p)
+    return torch.softmax(logits, dim=-1)
+
+
+def verify(p: Tensor, q: Tensor, token: int, generator: torch.Generator | None = None,
+           ) -> tuple[bool, int]:
+    """Check one proposal ``token`` drawn from q (V,) against the target's p (V,).
+
+    Returns (True, token) with probability min(1, p[token] / q[token]); otherwise
+    (False, y) with y drawn from max(0, p - q) / sum(max(0, p - q)).
+    """
+    u = torch.rand((), generator=generator, device=p.device)
+    if u * q[token] < p[token]:  # u < p/q, without dividing (q[token] > 0: it was drawn)
+        return True, token
+    residual = (p - q).clamp(min=0.0)
+    return False, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+
+
+@torch.no_grad()
+def speculative_generate(
+    target: GPT,
+    draft: GPT,
+    prompt_ids: Tensor | Sequence[int],
+    max_new_tokens: int,
+    *,
+    k: int = 4,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    greedy: bool = False,
+    generator: torch.Generator | None = None,
+    use_cache: bool = True,
+) -> SpeculativeResult:
+    """Extend one prompt by ``max_new_tokens`` tokens of the target, k proposed at a time.
+
+    Args:
+        target: the model whose distribution the tokens follow.
+        draft: a smaller GPT with the same vocabulary, on the same device.
+        prompt_ids: one prompt, (T,) ids or a list of ints.
+        max_new_tokens: N >= 0.
+        k: proposals per round, >= 1.
+        temperature, top_k, top_p, greedy: as in `minigpt.generate`, applied to both
+            models' distributions alike.
+        generator: the torch.Generator every random draw uses.
+        use_cache: keep a key-value cache in both models (False: every pass re-reads the
+            whole sequence; slower, same tokens).
+
+    Returns:
+        A `SpeculativeResult`. The prompt and both models are left as they were.
+    """
+    tau = _check_args(target, draft, k, temperature, top_k, top_p, greedy, generator)
+    shape = partial(next_token_distribution, temperature=tau, top_k=top_k, top_p=top_p,
+                    greedy=greedy)  # the same reshaping for p and q
+    ids = _prompt_tensor(prompt_ids, target.config.vocab_size)
+    if ids.dim() != 1:
+        raise ValueError(f"speculative_generate takes one prompt of shape (T,), got "
+                         f"{tuple(ids.shape)}")
+    max_new_tokens = _check_int("max_new_tokens", max_new_tokens)
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    device = next(target.parameters()).device
+    seq = ids.to(device=device, dtype=torch.long, copy=True).unsqueeze(0)  # (1, n)
+    end = seq.shape[1] + max_new_tokens
+    context = min(target.config.context_length, draft.config.context_length)
+    if not isinstance(use_cache, bool):
+        raise TypeError(f"use_cache must be a bool, got {type(use_cache).__name__}")
+    t_cache = target.new_cache() if use_cache else None
+    d_cache = draft.new_cache() if use_cache else None
+    modes = target.training, draft.training
+    target.eval()
+    draft.eval()
+    passes, draft_passes, proposed, accepted = 0, 0, 0, 0
+    try:
+        while seq.shape[1] < end:
+            n = seq.shape[1]
+            kk = min(k, context - n, end - n - 1)  # proposals that fit the context and N
+            if kk < 1:  # no room to speculate: one token from the target alone
+                p = shape(_next_logits(target, seq, target.config.context_length, t_cache))
+                passes += 1
+                seq = torch.cat([seq, torch.multinomial(p, 1, generator=generator)], dim=1)
+                continue
+            proposals, qs = seq, []
+            for _ in range(kk):  # the draft proposes x_1..x_kk, reading one token per pass
+                q = shape(_next_logits(draft, proposals, context, d_cache))[0]
+                qs.append(q)
+                proposals = torch.cat([proposals, torch.multinomial(q, 1, generator=generator)
+                                       .view(1, 1)], dim=1)
+            draft_passes += kk
+            # One pass of the target over everything it has not read: p_1..p_{kk+1}.
+            new = proposals[:, t_cache.length:] if t_cache is not None else proposals
+            ps = shape(target(new, cache=t_cache)[0, -(kk + 1):].float())
+            passes += 1
+            m, extra = 0, None
+            for i in range(kk):
+                ok, token = verify(ps[i], qs[i], int(proposals[0, n + i]), generator)
+                if not ok:
+                    extra = token
+                    break
+                m += 1
+            if extra is None:  # all accepted: the target's pass gives one more for free
+                extra = int(torch.multinomial(ps[kk], 1, generator=generator))
+            proposed, accepted = proposed + kk, accepted + m
+            seq = torch.cat([proposals[:, :n + m], seq.new_tensor([[extra]])], dim=1)
+            for cache in (t_cache, d_cache):  # forget the rejected proposals
+                if cache is not None:
+                    cache.crop(min(cache.length, seq.shape[1] - 1))
+    finally:
+        target.train(modes[0])
+        draft.train(modes[1])
+    return SpeculativeResult(seq[0, :end], ids.shape[0], passes, draft_passes, proposed,
+                             accepted)
+
+
+def _check_args(target: object, draft: object, k: object, temperature: object,
+                top_k: object, top_p: object, greedy: object, generator: object) -> float:
+    for name, model in (("target", target), ("draft", draft)):
+        if not isinstance(model, GPT):
+            raise TypeError(f"{name} must be a minigpt GPT, got {type(model).__name__}")
+    assert isinstance(target, GPT) and isinstance(draft, GPT)
+    if target.config.vocab_size != draft.config.vocab_size:
+        raise ValueError(f"the draft's vocabulary ({draft.config.vocab_size} tokens) differs "
+                         f"from the target's ({target.config.vocab_size}); both models must "
+                         "share one tokenizer")
+    if next(target.parameters()).device != next(draft.parameters()).device:
+        raise ValueError("the draft and the target must be on the same device")
+    k = _check_int("k", k)
+    if k < 1:
+        raise ValueError(f"k (proposals per round) must be >= 1, got {k}")
+    tau = _check_real("temperature", temperature)
+    if tau < 0.0:
+        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {tau}")
+    V = target.config.vocab_size
+    if top_k is not None and not 1 <= _check_int("top_k", top_k) <= V:
+        raise ValueError(f"top_k must lie in [1, V] = [1, {V}], got {top_k}")
+    if top_p is not None and not 0.0 < _check_real("top_p", top_p) <= 1.0:
+        raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
+    if not isinstance(greedy, bool):
+        raise TypeError(f"greedy must be a bool, got {type(greedy).__name__}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    return tau
