@@ -238,11 +238,41 @@ def test_resume_refuses_new_settings(trained: Path, capsys: pytest.CaptureFixtur
         (["--prompt", "a", "--beams", "2", "--top-k", "3", "--temperature", "1"],
          ["--beams searches", "does not sample; drop --temperature, --top-k"]),
         (["--prompt", "a", "--beams", "2", "--num-samples", "2"], ["drop --num-samples"]),
+        (["--prompt", "a", "--speculate", "3"], ["--speculate needs --draft"]),
+        (["--prompt", "a", "--draft", "x", "--beams", "2"], ["does not combine with --beams"]),
+        (["--prompt", "a", "--draft", "x", "--no-cache"], ["drop --no-cache"]),
     ],
 )
 def test_sample_errors(trained: Path, capsys: pytest.CaptureFixture[str], extra: list[str],
                        needles: list[str]) -> None:
     _fails(["sample", "--checkpoint", str(trained), *extra], capsys, 1, *needles)
+
+
+def test_sample_with_a_draft(trained: Path, tmp_path: Path, text_file: Path,
+                             capsys: pytest.CaptureFixture[str]) -> None:
+    draft = tmp_path / "draft"
+    assert main(["train", "--text", str(text_file), "--out", str(draft), *TINY,
+                 "--d-model", "8", "--seed", "3"]) == 0
+    capsys.readouterr()
+    base = ["sample", "--checkpoint", str(trained), "--prompt", "ROMEO:", "--max-new-tokens",
+            "12"]
+    assert main([*base, "--greedy"]) == 0
+    plain = capsys.readouterr().out
+    assert main([*base, "--greedy", "--draft", str(draft), "--speculate", "3"]) == 0
+    fast = capsys.readouterr()
+    assert fast.out == plain  # greedy: exactly the target's own text
+    assert "proposals accepted" in fast.err and "tokens per pass of the target" in fast.err
+    assert main([*base, "--draft", str(draft), "--num-samples", "2", "--top-k", "5"]) == 0
+    assert capsys.readouterr().out.count("ROMEO:") == 2
+    _fails([*base, "--draft", str(draft), "--speculate", "0"], capsys, 1,
+           "--speculate must be >= 1, got 0")
+    other = tmp_path / "other"
+    (tmp_path / "other.txt").write_text(TEXT + "xyzq!", encoding="utf-8")
+    assert main(["train", "--text", str(tmp_path / "other.txt"), "--out", str(other),
+                 *TINY]) == 0
+    _fails([*base, "--draft", str(other)], capsys, 1, "trained with another tokenizer",
+           "the draft must share the target's tokenizer")
+    _fails([*base, "--draft", str(tmp_path / "none")], capsys, 1, "no checkpoint at")
 
 
 def test_sample_checkpoint_errors(tmp_path: Path, trained: Path,

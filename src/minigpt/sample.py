@@ -19,6 +19,7 @@ from minigpt.checkpoint import load_checkpoint
 from minigpt.config import GPTConfig
 from minigpt.generate import beam_search, generate
 from minigpt.model import GPT
+from minigpt.speculative import speculative_generate
 from minigpt.tokenizer import Tokenizer, tokenizer_from_dict
 
 
@@ -74,8 +75,43 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cache", action="store_true",
                    help="re-read the whole context at every step instead of keeping a "
                         "key-value cache (slower, same tokens)")
+    p.add_argument("--draft", metavar="DIR",
+                   help="speculative sampling: a smaller model's checkpoint (same tokenizer) "
+                        "proposes tokens that this one checks; the text's distribution is "
+                        "unchanged")
+    p.add_argument("--speculate", type=int, default=None, metavar="K",
+                   help="tokens the draft proposes per round (default 4; needs --draft)")
     p.add_argument("--device", default="cpu")
     return p
+
+
+def _speculate(args: argparse.Namespace, model: GPT, tokenizer: Tokenizer,
+               ids: list[int]) -> torch.Tensor:
+    """--draft: every sample by speculative sampling; the acceptance rate goes to stderr."""
+    k = 4 if args.speculate is None else args.speculate
+    if k < 1:
+        raise ValueError(f"--speculate must be >= 1, got {k}")
+    draft, draft_tokenizer, _ = load_model(args.draft, device=args.device)
+    if draft_tokenizer.to_dict() != tokenizer.to_dict():
+        raise ValueError(f"--draft {args.draft} was trained with another tokenizer "
+                         f"({draft_tokenizer.name}, V={draft.config.vocab_size}) than "
+                         f"--checkpoint ({tokenizer.name}, V={model.config.vocab_size}); "
+                         "the draft must share the target's tokenizer")
+    gen = torch.Generator(device=args.device).manual_seed(args.seed)
+    temperature = 1.0 if args.temperature is None else args.temperature
+    rows, accepted, proposed, passes, new = [], 0, 0, 0, 0
+    for _ in range(args.num_samples):
+        res = speculative_generate(model, draft, ids, args.max_new_tokens, k=k,
+                                   temperature=temperature, top_k=args.top_k,
+                                   top_p=args.top_p, greedy=args.greedy, generator=gen)
+        rows.append(res.ids)
+        accepted, proposed = accepted + res.accepted, proposed + res.proposed
+        passes, new = passes + res.target_passes, new + args.max_new_tokens
+    if proposed:
+        print(f"speculative sampling: {accepted}/{proposed} proposals accepted "
+              f"({accepted / proposed:.0%}), {new / max(passes, 1):.2f} tokens per pass of "
+              "the target", file=sys.stderr)
+    return torch.stack(rows)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -105,6 +141,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             if sampling:
                 raise ValueError(f"--beams searches for the most likely continuation and does "
                                  f"not sample; drop {', '.join(sampling)}")
+        if args.speculate is not None and args.draft is None:
+            raise ValueError("--speculate needs --draft, the checkpoint of the draft model")
+        if args.draft is not None and args.beams is not None:
+            raise ValueError("--draft speeds up sampling; it does not combine with --beams")
+        if args.draft is not None and args.no_cache:
+            raise ValueError("--draft keeps key-value caches; drop --no-cache")
         if not args.prompt:
             raise ValueError("--prompt is empty: give at least one character to continue")
         model, tokenizer, _ = load_model(args.checkpoint, device=args.device)
@@ -113,7 +155,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as err:
             raise ValueError(f"--prompt cannot be encoded by the {tokenizer.name} tokenizer "
                              f"of this checkpoint: {err}") from None
-        if args.beams is not None:
+        if args.draft is not None:
+            out = _speculate(args, model, tokenizer, ids)
+        elif args.beams is not None:
             found = beam_search(model, ids, args.max_new_tokens, num_beams=args.beams,
                                 use_cache=not args.no_cache)
             out = found.sequences[:1]  # the best hypothesis
