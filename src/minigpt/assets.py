@@ -9,8 +9,9 @@ Two files come from PyPI, downloaded with `pip download --no-deps` (nothing is i
   `whisper/assets/gpt2.tiktoken`: GPT-2's 50,000 BPE ranks, byte for byte the file tiktoken
   would otherwise download for `r50k_base`.
 
-Every archive and every extracted file is checked against a pinned sha256 (the plays against
-the wheel's own `RECORD`, itself pinned). `ensure_assets()` is idempotent: when everything is
+Every archive and every extracted file is checked against a pinned sha256: the archives by pip
+itself (`--require-hashes`), before it unpacks them or runs an sdist's build backend, and again
+by us; the plays against the wheel's own `RECORD`, itself pinned. `ensure_assets()` is idempotent: when everything is
 present and verified it touches no network. Runtime accessors (`plays_dir`,
 `gpt2_ranks_path`) never download; when a file is missing they say how to get it.
 
@@ -169,9 +170,15 @@ def fetch(spec: RegistryFile, downloads: Path, runner: PipRunner | None = None) 
         except ChecksumError:
             pass  # a stale or corrupt copy: removed, download it again
     downloads.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-            *spec.pip_args, "-d", str(downloads), spec.requirement]
-    (runner or pip_download)(argv)
+    # The pinned hash goes on the requirement, so that pip checks the archive as soon as it
+    # has it, before it unpacks it or runs anything of it (an sdist's build backend).
+    with tempfile.TemporaryDirectory() as tmp:
+        requirements = Path(tmp) / "requirements.txt"
+        requirements.write_text(f"{spec.requirement} --hash=sha256:{spec.sha256}\n")
+        argv = [sys.executable, "-m", "pip", "download", "--no-deps",
+                "--disable-pip-version-check", "--require-hashes", *spec.pip_args,
+                "-d", str(downloads), "-r", str(requirements)]
+        (runner or pip_download)(argv)
     if not path.exists():
         found = sorted(p.name for p in downloads.iterdir())
         raise AssetError(f"pip download of {spec.requirement} did not produce {spec.filename}; "
