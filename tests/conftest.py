@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 import torch
+from hypothesis import settings
+
+# Property tests: a quick look by default (the edit-test loop), a thorough search under
+# `make test` and in CI. HYPOTHESIS_PROFILE=thorough (or CI=true) selects the second.
+settings.register_profile("quick", max_examples=20, deadline=None)
+settings.register_profile("thorough", max_examples=300, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE",
+                                     "thorough" if os.environ.get("CI") else "quick"))
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from minigpt.nn import (
@@ -29,7 +29,6 @@ def _qkv(batch, heads, length, d_k, seed, scale=1.0):
     return [torch.randn(batch, heads, length, d_k, generator=generator) * scale for _ in range(3)]
 
 
-@settings(max_examples=60, deadline=None)
 @given(shape=shapes, seed=st.integers(0, 2**16), scale=st.sampled_from([0.1, 1.0, 10.0]),
        causal=st.booleans())
 def test_weights_are_distributions(shape, seed, scale, causal):
@@ -45,7 +44,6 @@ def test_weights_are_distributions(shape, seed, scale, causal):
         assert torch.all(weights[..., upper] == 0)
 
 
-@settings(max_examples=40, deadline=None)
 @given(shape=shapes, seed=st.integers(0, 2**16), causal=st.booleans())
 def test_explicit_equals_pytorch_kernel(shape, seed, causal):
     q, k, v = _qkv(*shape, seed)
@@ -55,7 +53,6 @@ def test_explicit_equals_pytorch_kernel(shape, seed, causal):
     assert torch.allclose(ours, theirs, atol=1e-5)
 
 
-@settings(max_examples=40, deadline=None)
 @given(length=st.integers(2, 10), seed=st.integers(0, 2**16))
 def test_permutation_equivariance_without_positions(length, seed):
     # Unmasked attention with no positional information: permuting the tokens
@@ -69,7 +66,6 @@ def test_permutation_equivariance_without_positions(length, seed):
     assert torch.allclose(out_perm, out[:, perm], atol=1e-5)
 
 
-@settings(max_examples=40, deadline=None)
 @given(length=st.integers(2, 10), t=st.integers(0, 8), seed=st.integers(0, 2**16))
 def test_causal_output_ignores_the_future(length, t, seed):
     t = t % (length - 1)
@@ -123,11 +119,16 @@ def test_multi_head_rejects_indivisible_width():
         MultiHeadAttention(10, 3)
 
 
-def test_scaling_restores_unit_variance():
+def test_scaling_keeps_the_scores_at_unit_variance():
+    # Unit-normal q and k with d_k = 512: q . k has variance d_k, and the function's
+    # 1/sqrt(d_k) brings the scores back to variance 1. The scores are read back from the
+    # weights it returns: within a row, log w_j = s_j - logsumexp(s), so the centred log
+    # weights are the centred scores.
     generator = torch.Generator().manual_seed(0)
-    q = torch.randn(4, 8, 32, 512, generator=generator)
-    k = torch.randn(4, 8, 32, 512, generator=generator)
-    raw = (q @ k.transpose(-2, -1)).var().item()
-    scaled = (q @ k.transpose(-2, -1) / math.sqrt(512)).var().item()
-    assert raw == pytest.approx(512, rel=0.05)
-    assert scaled == pytest.approx(1, rel=0.05)
+    q, k, v = (torch.randn(4, 8, 32, 512, generator=generator, dtype=torch.float64)
+               for _ in range(3))
+    _, weights = scaled_dot_product_attention(q, k, v)
+    log_w = weights.log()
+    scores = log_w - log_w.mean(dim=-1, keepdim=True)
+    # The centred row of 32 entries has variance (31/32) sigma^2; unscaled it would be ~496.
+    assert scores.var(dim=-1, unbiased=False).mean().item() == pytest.approx(31 / 32, rel=0.05)

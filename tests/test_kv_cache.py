@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from minigpt import GPT, GPTConfig
@@ -87,7 +87,6 @@ def test_layer_cache_refuses_overflow_and_a_new_batch_size() -> None:
 # ----- the whole model ---------------------------------------------------------------
 
 
-@settings(max_examples=25, deadline=None)
 @given(cuts=st.lists(st.integers(1, 11), max_size=4, unique=True),
        positional=st.sampled_from(["learned", "sinusoidal"]))
 def test_model_fed_in_any_chunks_equals_one_pass(cuts: list[int], positional: str) -> None:

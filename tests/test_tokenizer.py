@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import regex
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from minigpt.assets import MissingAssetError
@@ -134,7 +134,6 @@ def test_bpe_training_is_deterministic(macbeth: str, bpe: BPETokenizer) -> None:
     assert train_bpe(macbeth, 512).merges == bpe.merges
 
 
-@settings(max_examples=300, deadline=None)
 @given(any_text)
 def test_bpe_matches_tiktoken_with_our_merges(bpe: BPETokenizer, big_bpe: BPETokenizer,
                                               text: str) -> None:
@@ -205,11 +204,13 @@ def test_gpt2_known_ids() -> None:
     assert gpt2_encoding() is enc  # built once
 
 
-@settings(max_examples=200, deadline=None)
-@given(any_text)
+@pytest.mark.parametrize("text", ["", "To be, or not to be", "  two  spaces\n\nand lines",
+                                  "naïve café 東京 🙂", "'tis\t\r\n"])
 def test_gpt2_round_trip(text: str) -> None:
+    # Our wrapper over the encoding (the encoding's own round trip is tiktoken's business).
     tok = GPT2Tokenizer()
-    assert tok.decode(tok.encode_ordinary(text)) == text
+    ids = tok.encode_ordinary(text)
+    assert tok.decode(ids) == text and all(0 <= i < 50257 for i in ids)
 
 
 def test_gpt2_tokenizer_interface() -> None:
