@@ -130,6 +130,30 @@ def _check_model(model: nn.Module, use_cache: object) -> Any:
     return config
 
 
+def _check_count(name: str, value: object) -> int:
+    count = _check_int(name, value)
+    if count < 0:
+        raise ValueError(f"{name} must be >= 0, got {count}")
+    return count
+
+
+def _check_sampling(vocab_size: int, temperature: object, top_k: object, top_p: object,
+                    greedy: object, generator: object) -> float:
+    """Check the sampling settings once, where they enter; returns the temperature."""
+    tau = _check_real("temperature", temperature)
+    if tau < 0.0:
+        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {tau}")
+    if top_k is not None and not 1 <= _check_int("top_k", top_k) <= vocab_size:
+        raise ValueError(f"top_k must lie in [1, V] = [1, {vocab_size}], got {top_k}")
+    if top_p is not None and not 0.0 < _check_real("top_p", top_p) <= 1.0:
+        raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
+    if not isinstance(greedy, bool):
+        raise TypeError(f"greedy must be a bool, got {type(greedy).__name__}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    return tau
+
+
 def _next_logits(model: nn.Module, seq: Tensor, context_length: int,
                  cache: KVCache | None) -> Tensor:
     """Logits (B, V) of the token after ``seq`` (B, T), reading at most ``context_length``."""
@@ -215,25 +239,8 @@ def generate(
     """
     config = _check_model(model, use_cache)
     ids = _prompt_tensor(prompt_ids, config.vocab_size)
-    max_new_tokens = _check_int("max_new_tokens", max_new_tokens)
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if not isinstance(greedy, bool):
-        raise TypeError(f"greedy must be a bool, got {type(greedy).__name__}")
-    tau = _check_real("temperature", temperature)
-    if tau < 0.0:
-        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {tau}")
-    if top_k is not None:
-        top_k = _check_int("top_k", top_k)
-        if not 1 <= top_k <= config.vocab_size:
-            raise ValueError(f"top_k must lie in [1, V] = [1, {config.vocab_size}], got {top_k}")
-    if top_p is not None:
-        top_p = _check_real("top_p", top_p)
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
-
+    _check_count("max_new_tokens", max_new_tokens)
+    tau = _check_sampling(config.vocab_size, temperature, top_k, top_p, greedy, generator)
     squeeze = ids.dim() == 1
     device = next(model.parameters()).device
     # A copy (copy=True) on the model's device: the caller's tensor is never written to.
@@ -323,9 +330,7 @@ def beam_search(
     if ids.dim() != 1:
         raise ValueError(f"beam_search takes one prompt of shape (T,), got {tuple(ids.shape)}; "
                          "search each prompt of a batch on its own")
-    max_new_tokens = _check_int("max_new_tokens", max_new_tokens)
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    _check_count("max_new_tokens", max_new_tokens)
     num_beams = _check_int("num_beams", num_beams)
     if num_beams < 1:
         raise ValueError(f"num_beams must be >= 1, got {num_beams}")

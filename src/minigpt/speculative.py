@@ -27,8 +27,9 @@ import torch
 from torch import Tensor
 
 from minigpt.generate import (
+    _check_count,
     _check_int,
-    _check_real,
+    _check_sampling,
     _next_logits,
     _prompt_tensor,
     apply_temperature,
@@ -139,9 +140,7 @@ def speculative_generate(
     if ids.dim() != 1:
         raise ValueError(f"speculative_generate takes one prompt of shape (T,), got "
                          f"{tuple(ids.shape)}")
-    max_new_tokens = _check_int("max_new_tokens", max_new_tokens)
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    _check_count("max_new_tokens", max_new_tokens)
     device = next(target.parameters()).device
     seq = ids.to(device=device, dtype=torch.long, copy=True).unsqueeze(0)  # (1, n)
     end = seq.shape[1] + max_new_tokens
@@ -210,16 +209,6 @@ def _check_args(target: object, draft: object, k: object, temperature: object,
     k = _check_int("k", k)
     if k < 1:
         raise ValueError(f"k (proposals per round) must be >= 1, got {k}")
-    tau = _check_real("temperature", temperature)
-    if tau < 0.0:
-        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {tau}")
-    V = target.config.vocab_size
-    if top_k is not None and not 1 <= _check_int("top_k", top_k) <= V:
-        raise ValueError(f"top_k must lie in [1, V] = [1, {V}], got {top_k}")
-    if top_p is not None and not 0.0 < _check_real("top_p", top_p) <= 1.0:
-        raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
-    if not isinstance(greedy, bool):
-        raise TypeError(f"greedy must be a bool, got {type(greedy).__name__}")
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    tau = _check_sampling(target.config.vocab_size, temperature, top_k, top_p, greedy,
+                          generator)
     return tau
