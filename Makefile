@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 NPM_STAMP := node_modules/.installed
 
-.PHONY: book test setup assets system-deps baseline lint clean
+.PHONY: book test unit nbval setup assets book-model system-deps baseline lint clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,7 +41,12 @@ $(NPM_STAMP): package.json package-lock.json
 assets: $(STAMP)
 	$(PY) -m minigpt assets
 
-setup: $(STAMP) $(NPM_STAMP) assets
+# The small models the chapters share (the book model and its draft), trained once (a few
+# minutes on a 2-core CPU) and cached; later runs only verify them. The chapters load them.
+book-model: assets
+	$(PY) -m minigpt pretrained
+
+setup: $(STAMP) $(NPM_STAMP) assets book-model
 
 # Headless Chromium and its driver for the browser test (Debian packages; the
 # test drives /usr/bin/chromium through /usr/bin/chromedriver, nothing is downloaded).
@@ -52,18 +57,28 @@ system-deps:
 	fi
 
 # Every chapter is executed afresh on every build (no stale outputs when only src/ changed):
-# a fresh Sphinx environment (--all, and no old doctrees) and execute_notebooks: force.
+# a fresh Sphinx environment (--all, and no old doctrees) and an empty execution cache.
 # Warnings are errors; --keep-going reports all of them before failing. PYTHONHASHSEED
 # is the same here, under nbval and in `make baseline`.
 book: setup
-	rm -rf _build/.doctrees _build/html _build/jupyter_execute
+	rm -rf _build/.doctrees _build/html _build/jupyter_execute _build/.jupyter_cache
 	PYTHONHASHSEED=0 $(VENV)/bin/jupyter-book build --all --warningiserror --keep-going --path-output . .
 
-# pytest's options (pyproject.toml) include nbval: every chapter's stored notebook in
-# tests/notebooks/ is re-executed and its outputs compared; tests/test_site.py drives
-# headless Chromium over the site built just before.
+# Every test: the package's (hypothesis searching thoroughly), the chapters' outputs of the
+# build just made compared with the stored ones (tests/test_chapter_outputs.py; each chapter
+# is executed once, by the build), and headless Chromium over the built site.
 test: setup system-deps book
-	$(PY) -m pytest
+	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest
+
+# The quick loop while editing the package: every test that needs no built book (< 1 min).
+unit: setup
+	$(PY) -m pytest -m "not book"
+
+# nbval itself: re-execute every stored notebook and compare (slower; make test compares
+# the build's own execution instead).
+nbval: setup
+	$(PY) -m pytest --nbval --nbval-current-env --nbval-cell-timeout=600 \
+		--nbval-sanitize-with=tests/notebooks/sanitize.cfg tests/notebooks
 
 # Re-baseline the stored notebooks after an intended change of a chapter, then review
 # the diff of tests/notebooks/. One or a few chapters: make baseline CHAPTERS="concept notations"

@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from minigpt import pretrained
+from minigpt.assets import MissingAssetError
+from minigpt.cli import main
 from minigpt.pretrained import MANIFEST_NAME, WEIGHTS_NAME, Recipe, load_or_build
 from minigpt.train import TrainConfig
 
@@ -186,3 +188,37 @@ def test_bad_arguments():
         Recipe(d_model=30, n_heads=4)
     with pytest.raises(ValueError, match="at least two"):
         load_or_build(TINY, "")
+
+
+def test_book_model_prints_nothing_whether_it_trains_or_loads(monkeypatch, capsys):
+    # A chapter shows what a cell prints: the same on a fresh machine and a warm one.
+    monkeypatch.setattr(pretrained, "corpus", lambda: TEXT)
+    _, _, built = pretrained.book_model(recipe=TINY)
+    _, _, loaded = pretrained.book_model(recipe=TINY)
+    assert built.built and not loaded.built
+    assert capsys.readouterr() == ("", "")
+
+
+def test_the_command_trains_once_then_verifies(monkeypatch, capsys):
+    monkeypatch.setattr(pretrained, "corpus", lambda: TEXT)
+    monkeypatch.setattr(pretrained, "MODELS", {
+        "tiny": lambda progress: pretrained.book_model(progress=progress, recipe=TINY)})
+    assert main(["pretrained", "--quiet"]) == 0
+    first = capsys.readouterr()
+    assert "tiny model (" in first.out and "trained in" in first.out and first.err == ""
+    assert main(["pretrained"]) == 0
+    assert "loaded and verified" in capsys.readouterr().out
+    assert main(["pretrained", "--only", "tiny"]) == 0
+
+
+def test_the_command_reports_errors(monkeypatch, capsys):
+    def missing():
+        raise MissingAssetError("Shakespeare's plays are not in /nowhere; run `make setup`")
+
+    monkeypatch.setattr(pretrained, "corpus", missing)
+    assert main(["pretrained", "--quiet", "--only", "book"]) == 1
+    err = capsys.readouterr().err
+    assert "minigpt pretrained: error: Shakespeare's plays are not in" in err
+    assert "Traceback" not in err
+    assert main(["pretrained", "--only", "huge"]) == 2
+    assert "invalid choice: 'huge'" in capsys.readouterr().err

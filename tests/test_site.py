@@ -15,6 +15,7 @@ failure, not a skip.
 from __future__ import annotations
 
 import functools
+import html
 import http.server
 import os
 import re
@@ -46,6 +47,8 @@ PROOF_DIRECTIVE = re.compile(r"^\s*(?:`{3,}|:{3,})\{prf:[a-z]+\}", re.MULTILINE)
 CITE_ROLE = re.compile(r"\{cite(?::[a-z]+)?\}`([^`]+)`")
 DISPLAY_MATH = re.compile(r"^\s*(?:\$\$|\\begin\{|(?:`{3,}|:{3,})\{math\})", re.MULTILINE)
 BIBLIOGRAPHY_DIRECTIVE = re.compile(r"^\s*(?:`{3,}|:{3,})\{bibliography\}", re.MULTILINE)
+
+pytestmark = pytest.mark.book  # every test here reads the built site
 
 
 
@@ -158,6 +161,33 @@ def test_mathjax_is_served_from_the_site() -> None:
     assert not (mathjax / "tex-svg-full.js").exists(), "the whole MathJax package was copied"
     size = sum(f.stat().st_size for f in mathjax.rglob("*") if f.is_file())
     assert size < 8_000_000, f"{mathjax} holds {size / 1e6:.1f} MB"
+
+
+MAX_OUTPUT_LINES = 60  # a cell output longer than this is a wall of log, not a result
+OUTPUT_BLOCK = re.compile(r'<div class="output [^"]*">\s*<div class="highlight[^"]*">\s*'
+                          r"<pre>(.*?)</pre>", re.DOTALL)
+
+
+def output_blocks(page_html: str) -> list[str]:
+    """The text of every cell-output block of a built page."""
+    return [html.unescape(re.sub(r"<[^>]+>", "", block))
+            for block in OUTPUT_BLOCK.findall(page_html)]
+
+
+@pytest.mark.parametrize("entry", PAGES)
+def test_no_output_is_a_wall_of_text(entry: str) -> None:
+    _require_site()
+    blocks = output_blocks((SITE / f"{entry}.html").read_text(encoding="utf-8"))
+    long = [(len(b.splitlines()), b.splitlines()[0][:60]) for b in blocks
+            if len(b.splitlines()) > MAX_OUTPUT_LINES]
+    assert not long, f"{entry}: outputs over {MAX_OUTPUT_LINES} lines (lines, first line): {long}"
+
+
+def test_output_blocks_are_found() -> None:
+    page = ('<div class="cell_output docutils container"><div class="output stream '
+            'highlight-myst-ansi notranslate"><div class="highlight"><pre><span></span>a &lt; b\n'
+            "c\n</pre></div></div></div>")
+    assert output_blocks(page) == ["a < b\nc\n"]
 
 
 # --------------------------------------------------------------------------

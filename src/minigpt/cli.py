@@ -1,4 +1,4 @@
-"""Command line: `python -m minigpt {assets,train,sample} ...`.
+"""Command line: `python -m minigpt {assets,train,sample,pretrained} ...`.
 
 Each sub-command lives in the module it drives and owns its own argument
 parser; this file only dispatches, so `python -m minigpt train --help` shows
@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "assets": ("minigpt.assets", "fetch and verify the corpus and GPT-2's BPE ranks"),
     "train": ("minigpt.train", "train a GPT on a text file"),
     "sample": ("minigpt.sample", "sample text from a trained checkpoint"),
+    "pretrained": ("minigpt.pretrained", "train (once) and verify the models the chapters share"),
 }
 
 

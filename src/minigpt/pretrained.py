@@ -24,8 +24,8 @@ the manifest last, so an interrupted build leaves no cache that looks complete.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
-import fcntl
 import hashlib
 import io
 import json
@@ -34,13 +34,14 @@ import shutil
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from filelock import FileLock
 from tqdm import tqdm
 
 from minigpt.assets import atomic_write, cache_dir, sha256_file
@@ -98,6 +99,8 @@ class Recipe:
 
 
 BOOK_RECIPE = Recipe()
+#: A much smaller model of the same text and tokenizer: the draft of speculative sampling.
+DRAFT_RECIPE = Recipe(n_layers=1, n_heads=2, d_model=64)
 
 
 @dataclass(frozen=True)
@@ -200,16 +203,10 @@ def _threads(n: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
+def _locked(path: Path) -> FileLock:
     """An exclusive lock on `path`, so that two processes never train the same model at once."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    return FileLock(str(path))
 
 
 def _build(folder: Path, key: str, material: dict[str, Any], recipe: Recipe, text: str,
@@ -220,7 +217,7 @@ def _build(folder: Path, key: str, material: dict[str, Any], recipe: Recipe, tex
     train_ids = np.asarray(tokenizer.encode_ordinary(train_text), dtype=np.uint16)
     val_ids = np.asarray(tokenizer.encode_ordinary(val_text), dtype=np.uint16)
     config = recipe.gpt_config(tokenizer.vocab_size)
-    say(f"training the book's model once ({config.n_layers} layers, {config.n_heads} heads, "
+    say(f"training a model once ({config.n_layers} layers, {config.n_heads} heads, "
         f"D={config.d_model}, {recipe.training.max_steps} steps); it is cached in {folder}")
     with _threads(recipe.threads):
         result = train(config, recipe.training, train_ids, val_ids, tokenizer=tokenizer,
@@ -287,16 +284,55 @@ def load_or_build(recipe: Recipe, text: str, *, progress: bool = True,
     return model, tokenizer, info
 
 
-def book_model(*, progress: bool = True,
+def book_model(*, progress: bool = False,
                recipe: Recipe = BOOK_RECIPE) -> tuple[GPT, CharTokenizer, ModelInfo]:
     """The book's trained character-level GPT, its tokenizer, and a `ModelInfo`.
 
     The first call on a machine trains it on `shakespeare_text()` with `BOOK_RECIPE` (a few
-    minutes on a 2-core CPU; `progress` shows a progress bar and the evaluations on stderr)
-    and caches it; later calls load and verify the cache in seconds. The model is returned
-    in eval mode on the CPU.
+    minutes on a 2-core CPU) and caches it; later calls load and verify the cache in
+    seconds. Silent unless ``progress`` (a progress bar and the evaluations on stderr), so
+    that a notebook prints the same whether the model was cached or trained. The model is
+    returned in eval mode on the CPU. `python -m minigpt pretrained` builds it at set-up.
     """
     start = time.perf_counter()
     model, tokenizer, info = load_or_build(recipe, corpus(), progress=progress)
     # Count reading the corpus too: it is part of what a second call costs.
     return model, tokenizer, replace(info, load_seconds=time.perf_counter() - start)
+
+
+def draft_model(*, progress: bool = False) -> tuple[GPT, CharTokenizer, ModelInfo]:
+    """The book model's small companion (`DRAFT_RECIPE`: one layer, D = 64), trained the
+    same way on the same text with the same tokenizer, and cached like it."""
+    return book_model(progress=progress, recipe=DRAFT_RECIPE)
+
+
+MODELS: dict[str, Callable[..., tuple[GPT, CharTokenizer, ModelInfo]]] = {
+    "book": book_model, "draft": draft_model}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m minigpt pretrained [--only NAME] [--quiet]`: train (once) and verify the
+    models the chapters share."""
+    parser = argparse.ArgumentParser(
+        prog="python -m minigpt pretrained",
+        description="Train the small models the chapters share, once, and cache them "
+                    "($MINIGPT_CACHE or ~/.cache/minigpt); later runs only verify them.")
+    parser.add_argument("--only", choices=sorted(MODELS), action="append",
+                        help="only this model (repeatable; default: all)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # argparse has printed the usage and the error (or --help)
+        return int(exit_.code) if isinstance(exit_.code, int) else 2
+    try:
+        for name in args.only or list(MODELS):
+            model, _, info = MODELS[name](progress=not args.quiet)
+            m = info.metrics
+            what = (f"trained in {m['total_seconds']:.0f} s" if info.built
+                    else "loaded and verified")
+            print(f"{name} model ({model.num_parameters():,} parameters, validation loss "
+                  f"{m['final_val_loss']:.3f}): {what}; {info.path}")
+    except (OSError, ValueError) as err:
+        print(f"minigpt pretrained: error: {err}", file=sys.stderr)
+        return 1
+    return 0
