@@ -327,6 +327,26 @@ def test_line_plot_and_histogram():
         viz.histogram_plot({}, title="h", xlabel="cos")
 
 
+def test_line_plot_log_scale_and_training_curves():
+    fig = viz.line_plot([0, 1], {"a": [1, 100]}, title="t", xlabel="x", ylabel="y", logy=True)
+    assert fig.axes[0].get_yscale() == "log"
+    history = {"step": list(range(100)), "loss": [4.0 - 0.02 * k for k in range(100)],
+               "eval_step": [0, 50, 100], "train_loss": [4.0, 3.0, 2.0],
+               "val_loss": [4.1, 3.2, 2.3]}
+    fig = viz.training_curves(history, title="run", smooth=10)
+    (ax,) = fig.axes
+    labels = [line.get_label() for line in ax.lines]
+    assert labels == ["batch loss", "mean of 10 steps", "train (evaluated)",
+                      "validation (evaluated)"]
+    mean = ax.lines[1]
+    assert len(mean.get_xdata()) == 91 and mean.get_ydata()[0] == pytest.approx(3.91)
+    assert list(ax.lines[3].get_ydata()) == [4.1, 3.2, 2.3]
+    with pytest.raises(ValueError, match="lacks"):
+        viz.training_curves({"step": [0]}, title="run")
+    with pytest.raises(ValueError, match="at least smooth=50"):
+        viz.training_curves(history | {"step": [0], "loss": [1.0]}, title="run")
+
+
 def test_architecture_diagram_names_every_stage_and_fills_in_sizes() -> None:
     from minigpt import GPTConfig
 

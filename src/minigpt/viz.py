@@ -315,11 +315,13 @@ def line_plot(
     ylabel: str,
     marker: str | None = "o",
     styles: Mapping[str, Mapping[str, Any]] | None = None,
+    logy: bool = False,
 ) -> Figure:
     """Several named curves y(x) on one pair of axes, with a legend.
 
     ``styles`` maps a series' label to extra `Axes.plot` keyword arguments (e.g. a wide
-    pale line for a reference curve that other curves lie on).
+    pale line for a reference curve that other curves lie on); ``logy`` puts y on a log
+    scale.
     """
     xs = _to_numpy(x, "x")
     if xs.ndim != 1 or xs.size == 0:
@@ -337,9 +339,42 @@ def line_plot(
             raise ValueError(f"series {label!r} has shape {ys.shape}, x has {xs.shape}")
         ax.plot(xs, ys, **({"marker": marker, "markersize": 3} | dict(styles.get(label, {}))),
                 label=label)
+    if logy:
+        ax.set_yscale("log")
     ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
+    ax.legend()
+    return fig
+
+
+def training_curves(history: Mapping[str, Sequence[float]], *, title: str,
+                    smooth: int = 50) -> Figure:
+    """The loss of a training run: each step's batch loss (pale), its running mean over
+    ``smooth`` steps, and the evaluated train and validation losses (markers).
+
+    ``history`` holds the lists of a `minigpt.train.History` (or its ``asdict``): step,
+    loss, eval_step, train_loss, val_loss.
+    """
+    missing = {"step", "loss", "eval_step", "train_loss", "val_loss"} - set(history)
+    if missing:
+        raise ValueError(f"history lacks {sorted(missing)}; pass a History's fields")
+    steps, loss = _to_numpy(history["step"], "step"), _to_numpy(history["loss"], "loss")
+    if loss.size < smooth or steps.shape != loss.shape:
+        raise ValueError(f"need at least smooth={smooth} steps of matching step and loss, "
+                         f"got {steps.shape} and {loss.shape}")
+    mean = np.convolve(loss, np.ones(smooth) / smooth, mode="valid")
+    fig, ax = plt.subplots(layout="constrained", figsize=(6.4, 3.6))
+    ax.plot(steps + 1, loss, color="tab:blue", alpha=0.25, linewidth=0.8,
+            label="batch loss")
+    ax.plot(steps[smooth - 1:] + 1, mean, color="tab:blue", label=f"mean of {smooth} steps")
+    for key, colour, label in (("train_loss", "tab:green", "train (evaluated)"),
+                               ("val_loss", "tab:red", "validation (evaluated)")):
+        ax.plot(history["eval_step"], history[key], "o-", color=colour, markersize=4,
+                label=label)
+    ax.set_title(title)
+    ax.set_xlabel("optimiser steps")
+    ax.set_ylabel("loss (nats per token)")
     ax.legend()
     return fig
 
