@@ -64,13 +64,14 @@ def test_every_documented_flag_is_accepted(tmp_path: Path, text_file: Path) -> N
             "--weight-decay", "0.05", "--beta2", "0.95", "--grad-clip", "0.5", "--dropout",
             "0.1", "--eval-interval", "2", "--eval-steps", "1", "--seed", "3", "--out",
             str(tmp_path), "--beta1", "0.8", "--d-ff", "24", "--no-bias", "--grad-accum", "2",
-            "--decay-steps", "3", "--bf16", "--device", "cpu", "--no-progress"]
+            "--decay-steps", "3", "--bf16", "--device", "cpu", "--no-progress",
+            "--activation", "gelu_tanh"]
     assert main(argv) == 0
     m = json.loads((tmp_path / "metrics.json").read_text())
     assert m["model_config"] | {"vocab_size": 0} == {
         "vocab_size": 0, "context_length": 8, "d_model": 16, "n_heads": 2, "n_layers": 1,
         "d_ff": 24, "dropout": 0.1, "bias": False, "tie_weights": True,
-        "positional": "learned", "layer_norm_eps": 1e-5}
+        "positional": "learned", "layer_norm_eps": 1e-5, "activation": "gelu_tanh"}
     assert m["train_config"] == {
         "batch_size": 2, "grad_accum": 2, "max_steps": 3, "lr": 2e-3, "min_lr": 1e-4,
         "warmup_steps": 1, "decay_steps": 3, "weight_decay": 0.05, "beta1": 0.8, "beta2": 0.95,

@@ -97,3 +97,10 @@ def test_seed_all_repeats_draws():
     first = torch.rand(3)
     seed_all(7)
     assert torch.equal(first, torch.rand(3))
+
+
+def test_activation_defaults_and_validation():
+    assert GPTConfig.gpt2("small").activation == "gelu_tanh"  # GPT-2's own
+    assert GPTConfig.shakespeare_cpu(65).activation == "gelu"  # cheaper on a CPU
+    with pytest.raises(ValueError, match="activation"):
+        GPTConfig.debug(activation="relu")

@@ -137,6 +137,20 @@ def test_feed_forward_is_position_wise():
     assert ffn.c_fc.weight.shape == (32, 8) and ffn.c_proj.weight.shape == (8, 32)
 
 
+@pytest.mark.parametrize("activation, approximate", [("gelu_tanh", "tanh"), ("gelu", "none")])
+def test_feed_forward_activation(activation, approximate):
+    torch.manual_seed(0)
+    ffn = FeedForward(8, 32, activation=activation)
+    x = torch.randn(2, 5, 8) * 3
+    expected = ffn.c_proj(F.gelu(ffn.c_fc(x), approximate=approximate))
+    assert torch.allclose(ffn(x), expected, atol=1e-6)
+    other = FeedForward(8, 32, activation="gelu" if activation == "gelu_tanh" else "gelu_tanh")
+    other.load_state_dict(ffn.state_dict())
+    assert not torch.allclose(other(x), ffn(x), atol=1e-6)  # the switch changes the output
+    with pytest.raises(ValueError, match=r"activation must be one of \['gelu', 'gelu_tanh'\]"):
+        FeedForward(8, 32, activation="relu")
+
+
 def test_pre_ln_block_keeps_identity_path_post_ln_does_not():
     torch.manual_seed(0)
     pre = Block(8, 2, 32)

@@ -65,7 +65,8 @@ def load_checkpoint(path: Path | str, *, map_location: str | torch.device = "cpu
         raise ValueError(f"{path} is not a readable checkpoint: not a torch file, or one "
                          "holding objects that safe (weights_only) loading refuses") from None
     except Exception as err:  # torch raises several types for a damaged file
-        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        # The first sentence says what failed; torch goes on with generic advice.
+        reason = str(err).splitlines()[0].split(". ")[0] if str(err) else type(err).__name__
         raise ValueError(f"{path} is not a readable checkpoint (damaged or truncated? "
                          f"{reason})") from None
     if not isinstance(ckpt, dict) or not _ENTRIES <= set(ckpt):

@@ -43,7 +43,7 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(c.dropout)
         self.h = nn.ModuleList(
             Block(c.d_model, c.n_heads, c.d_ff, dropout=c.dropout, bias=c.bias,
-                  eps=c.layer_norm_eps)
+                  eps=c.layer_norm_eps, activation=c.activation)
             for _ in range(c.n_layers)
         )
         self.ln_f = LayerNorm(c.d_model, eps=c.layer_norm_eps, bias=c.bias)

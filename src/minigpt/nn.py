@@ -398,19 +398,27 @@ class MultiHeadAttention(nn.Module):
 # ----------------------------------------------------------------------------------
 
 
+_GELU_FORMS = {"gelu_tanh": "tanh", "gelu": "none"}  # activation -> nn.GELU's approximate
+
+
 class FeedForward(nn.Module):
     """Position-wise MLP: GELU(x W_1 + b_1) W_2 + b_2, applied to each position alone.
 
-    Names follow GPT-2: ``c_fc`` (D -> d_ff) and ``c_proj`` (d_ff -> D). GELU is
-    GPT-2's tanh approximation (equal to our `gelu(x, "tanh")`).
+    Names follow GPT-2: ``c_fc`` (D -> d_ff) and ``c_proj`` (d_ff -> D). The GELU is
+    GPT-2's tanh approximation, `gelu(x, "tanh")`, or with ``activation="gelu"`` the
+    exact `gelu(x)`.
 
     Shapes: (B, T, D) -> (B, T, D).
     """
 
-    def __init__(self, d_model: int, d_ff: int, *, dropout: float = 0.0, bias: bool = True) -> None:
+    def __init__(self, d_model: int, d_ff: int, *, dropout: float = 0.0, bias: bool = True,
+                 activation: str = "gelu_tanh") -> None:
         super().__init__()
+        if activation not in _GELU_FORMS:
+            raise ValueError(f"activation must be one of {sorted(_GELU_FORMS)}, "
+                             f"got {activation!r}")
         self.c_fc = nn.Linear(d_model, d_ff, bias=bias)
-        self.gelu = nn.GELU(approximate="tanh")
+        self.gelu = nn.GELU(approximate=_GELU_FORMS[activation])
         self.c_proj = nn.Linear(d_ff, d_model, bias=bias)
         self.dropout = nn.Dropout(dropout)
 
@@ -432,13 +440,14 @@ class Block(nn.Module):
 
     def __init__(
         self, d_model: int, n_heads: int, d_ff: int, *, dropout: float = 0.0,
-        bias: bool = True, eps: float = 1e-5,
+        bias: bool = True, eps: float = 1e-5, activation: str = "gelu_tanh",
     ) -> None:
         super().__init__()
         self.ln_1 = LayerNorm(d_model, eps=eps, bias=bias)
         self.attn = MultiHeadAttention(d_model, n_heads, dropout=dropout, bias=bias)
         self.ln_2 = LayerNorm(d_model, eps=eps, bias=bias)
-        self.mlp = FeedForward(d_model, d_ff, dropout=dropout, bias=bias)
+        self.mlp = FeedForward(d_model, d_ff, dropout=dropout, bias=bias,
+                               activation=activation)
 
     def forward(
         self, x: Tensor, need_weights: bool = False, cache: LayerKVCache | None = None

@@ -548,7 +548,8 @@ def _metrics(history: History, config: TrainConfig, model: GPT, total_seconds: f
 
 # Flags that shape the model (-> GPTConfig) and the run (-> TrainConfig); each flag is the
 # field's name with dashes, so an error about a field names the flag to fix.
-_MODEL_FLAGS = ("n_layers", "n_heads", "d_model", "d_ff", "context_length", "dropout", "bias")
+_MODEL_FLAGS = ("n_layers", "n_heads", "d_model", "d_ff", "context_length", "dropout", "bias",
+                "activation")
 _TRAIN_FLAGS = tuple(TrainConfig.model_fields)
 _RESUMABLE = {"max_steps", "stop_at", "no_progress", "threads", "out", "resume", "device",
               "backend", "nproc_per_node", "master_port"}
@@ -583,6 +584,8 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--d-ff", type=int, help="feed-forward width (default 4 * d_model)")
     m.add_argument("--bias", action=argparse.BooleanOptionalAction,
                    help="biases in linear layers and layer norms (default: --bias)")
+    m.add_argument("--activation", choices=("gelu", "gelu_tanh"),
+                   help="exact GELU (default) or GPT-2's tanh approximation")
     o = p.add_argument_group("optimisation (default: TrainConfig)")
     for name in _TRAIN_FLAGS:
         if name in ("bf16", "device"):
