@@ -16,8 +16,6 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-GPT2Size = Literal["small", "medium", "large", "xl"]
-
 #: The GPT-2 family (Radford et al., 2019): name -> (n_layers, d_model, n_heads).
 GPT2_SIZES: dict[str, tuple[int, int, int]] = {
     "small": (12, 768, 12),
