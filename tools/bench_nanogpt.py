@@ -1,0 +1,134 @@
+"""Time minigpt's training step against nanoGPT's on nanoGPT's CPU recipe, interleaved.
+
+    .venv/bin/python tools/bench_nanogpt.py NANOGPT_DIR DATA_TXT [--rounds 5] [--steps 600]
+
+NANOGPT_DIR is a checkout of nanoGPT whose `data/shakespeare_char/` holds `train.bin`,
+`val.bin` and `meta.pkl` made by its `prepare.py` from DATA_TXT (the Tiny Shakespeare
+text); nothing of nanoGPT is part of this project, it is run as an external command.
+Both programs train the same model (character level, 4 layers, 4 heads, D = 128,
+T = 64, batch 12, no dropout) with the same schedule, in alternation (A B, B A, ...) so
+that a change in the machine's load hits both. Each round reports each program's median
+step time (nanoGPT's logged per-iteration times from iteration 1 on; minigpt's
+`median_step_ms`) and their ratio; the summary gives the median ratio over the rounds.
+Each round also scores both trained models on the whole validation split (every token
+predicted once, from non-overlapping windows of 64): run with --steps 2000 for the
+recipe's length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPE = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64, "batch_size": 12}
+
+
+def nanogpt(folder: Path, steps: int, seed: int, out: Path) -> tuple[float, list[float]]:
+    """Median ms per iteration of nanoGPT's train.py, and its logged losses."""
+    cmd = [sys.executable, "train.py", "config/train_shakespeare_char.py", "--device=cpu",
+           "--compile=False", "--eval_iters=20", "--log_interval=1", f"--max_iters={steps}",
+           "--lr_decay_iters=2000", "--dropout=0.0", f"--eval_interval={steps}",
+           f"--out_dir={out}", "--always_save_checkpoint=True",
+           *(f"--{k}={v}" for k, v in SHAPE.items())]
+    env = {"PYTHONHASHSEED": str(seed)}
+    log = subprocess.run(cmd, cwd=folder, capture_output=True, text=True, check=True,
+                         env=_env(env)).stdout
+    times = [float(t) for t in re.findall(r"^iter (?:[1-9]\d*): .*time ([\d.]+)ms", log,
+                                          flags=re.M)]
+    losses = [float(x) for x in re.findall(r"val loss ([\d.]+)", log)]
+    return statistics.median(times), losses
+
+
+def minigpt(text: Path, steps: int, seed: int, out: Path) -> tuple[float, dict[str, float]]:
+    """Median ms per step of `python -m minigpt train`, and its metrics."""
+    cmd = [sys.executable, "-m", "minigpt", "train", "--text", str(text), "--tokenizer",
+           "char", "--n-layers", "4", "--n-heads", "4", "--d-model", "128",
+           "--context-length", "64", "--batch-size", "12", f"--max-steps={steps}",
+           "--lr", "1e-3", "--min-lr", "1e-4", "--warmup-steps", "100",
+           "--decay-steps", "2000", "--weight-decay", "0.1", "--beta2", "0.99",
+           "--grad-clip", "1.0", "--dropout", "0.0", f"--eval-interval={steps}",
+           "--eval-steps", "20", "--seed", str(seed), "--out", str(out), "--no-progress"]
+    subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True, env=_env({}))
+    metrics = json.loads((out / "metrics.json").read_text())
+    return float(metrics["median_step_ms"]), metrics
+
+
+def nanogpt_full_loss(folder: Path, out: Path) -> float:
+    """nanoGPT's checkpoint scored like `minigpt.train.full_loss`: mean loss over
+    consecutive 64-token windows of its val.bin. nanoGPT's own model code is imported from
+    its checkout, in a child process."""
+    script = f"""
+import sys, numpy as np, torch, torch.nn.functional as F
+sys.path.insert(0, {str(folder)!r})
+from model import GPT, GPTConfig
+ck = torch.load({str(out / "ckpt.pt")!r}, map_location="cpu", weights_only=False)
+model = GPT(GPTConfig(**ck["model_args"]))
+model.load_state_dict({{k.removeprefix("_orig_mod."): v for k, v in ck["model"].items()}})
+model.eval()
+data = np.fromfile({str(folder / "data/shakespeare_char/val.bin")!r}, dtype=np.uint16)
+T = 64
+n = (len(data) - 1) // T
+ids = torch.from_numpy(data[: n * T + 1].astype(np.int64))
+x, y = ids[:-1].view(n, T), ids[1:].view(n, T)
+total = 0.0
+with torch.no_grad():
+    for k in range(0, n, 32):
+        logits, _ = model(x[k:k + 32], y[k:k + 32])
+        total += F.cross_entropy(logits.view(-1, logits.shape[-1]), y[k:k + 32].reshape(-1),
+                                 reduction="sum").item()
+print(total / (n * T))
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True)
+    return float(run.stdout.strip().splitlines()[-1])
+
+
+def _env(extra: dict[str, str]) -> dict[str, str]:
+    import os
+
+    return dict(os.environ) | extra
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("nanogpt", type=Path, help="a nanoGPT checkout with prepared data")
+    p.add_argument("text", type=Path, help="the Tiny Shakespeare text (input.txt)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--seed", type=int, default=1337)
+    args = p.parse_args()
+    if not (args.nanogpt / "data" / "shakespeare_char" / "train.bin").is_file():
+        p.error(f"{args.nanogpt}/data/shakespeare_char/train.bin is missing: run its "
+                "prepare.py with input.txt copied beside it")
+    ratios = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            order = ("minigpt", "nanogpt") if r % 2 == 0 else ("nanogpt", "minigpt")
+            ms: dict[str, float] = {}
+            for name in order:
+                out = Path(tmp, f"{name}-{r}")
+                if name == "minigpt":
+                    ms[name], m = minigpt(args.text, args.steps, args.seed, out)
+                    full = m["final_val_loss_full"]
+                else:
+                    ms[name], _ = nanogpt(args.nanogpt, args.steps, args.seed, out)
+                    nano_full = nanogpt_full_loss(args.nanogpt, out)
+            ratios.append(ms["minigpt"] / ms["nanogpt"])
+            print(f"round {r + 1}: minigpt {ms['minigpt']:.1f} ms/step, nanoGPT "
+                  f"{ms['nanogpt']:.1f} ms/step, ratio {ratios[-1]:.3f}; whole-split "
+                  f"validation loss minigpt {full:.4f}, nanoGPT {nano_full:.4f}",
+                  flush=True)
+    print(f"median ratio minigpt / nanoGPT over {args.rounds} rounds: "
+          f"{statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
