@@ -222,3 +222,24 @@ def test_the_command_reports_errors(monkeypatch, capsys):
     assert "Traceback" not in err
     assert main(["pretrained", "--only", "huge"]) == 2
     assert "invalid choice: 'huge'" in capsys.readouterr().err
+
+
+def test_the_command_logs_evaluations_but_no_bar_when_stderr_is_not_a_terminal(
+        monkeypatch, capsys):
+    # A CI runner's log gets a few lines, not a thousand redraws of a progress bar.
+    monkeypatch.setattr(pretrained, "corpus", lambda: TEXT)
+    monkeypatch.setattr(pretrained, "MODELS", {
+        "tiny": lambda progress: pretrained.book_model(progress=progress, recipe=TINY)})
+    assert main(["pretrained"]) == 0
+    captured = capsys.readouterr()
+    assert "training a model once (1 layer, 2 heads, D=16, 10 steps)" in captured.err
+    assert "step 5: train loss" in captured.err
+    assert "\r" not in captured.err and "%|" not in captured.err
+    assert len(captured.err.splitlines()) < 10
+    assert captured.out.count("\n") == 1 and "tiny model (" in captured.out
+
+
+def test_the_command_has_help(capsys):
+    assert main(["pretrained", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "usage: python -m minigpt pretrained" in out and "--only" in out

@@ -5,8 +5,12 @@ its samples). `book_model()` gives them the same one: a character-level GPT trai
 book's corpus (`minigpt.data.shakespeare_text()`) by `minigpt.train.train`, seeded, with a
 fixed number of threads, so that every build on a machine yields the same weights.
 
-The first call trains it (a few minutes on a 2-core CPU) and stores it under
-`<cache>/models/<key>/` (the cache root is `minigpt.assets.cache_dir()`):
+Set-up (`python -m minigpt pretrained`, run by `make setup`) trains it (a few minutes on a
+2-core CPU, with a progress display) and stores it under `<cache>/models/<key>/` (the cache
+root is `minigpt.assets.cache_dir()`); a chapter's call then only loads it. Called from a
+chapter, `book_model()` prints nothing whether it loads or trains (a reader who skipped
+set-up waits a few minutes, and sees the same outputs): only `logging` at INFO says which.
+The cached model is two files:
 
     model.pt        the weights (a state dict: tensors only)
     manifest.json   the key, everything the key was hashed from, the sha256 of model.pt,
@@ -218,11 +222,15 @@ def _build(folder: Path, key: str, material: dict[str, Any], recipe: Recipe, tex
     train_ids = np.asarray(tokenizer.encode_ordinary(train_text), dtype=np.uint16)
     val_ids = np.asarray(tokenizer.encode_ordinary(val_text), dtype=np.uint16)
     config = recipe.gpt_config(tokenizer.vocab_size)
-    say(f"training a model once ({config.n_layers} layers, {config.n_heads} heads, "
-        f"D={config.d_model}, {recipe.training.max_steps} steps); it is cached in {folder}")
+    say(f"training a model once ({_count(config.n_layers, 'layer')}, "
+        f"{_count(config.n_heads, 'head')}, D={config.d_model}, "
+        f"{recipe.training.max_steps} steps); it is cached in {folder}")
+    # The bar only on a terminal: in a log file (a CI runner's) its thousand redraws would
+    # bury the few evaluation lines, which are printed either way.
+    bar = progress and sys.stderr.isatty()
     with _threads(recipe.threads):
         result = train(config, recipe.training, train_ids, val_ids, tokenizer=tokenizer,
-                       progress=progress, log=say if progress else None)
+                       progress=bar, log=say if progress else None)
     model = result.model.to("cpu").eval()
     buffer = io.BytesIO()
     torch.save(model.state_dict(), buffer)
@@ -243,12 +251,16 @@ def _build(folder: Path, key: str, material: dict[str, Any], recipe: Recipe, tex
     return model, manifest
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def _stderr(message: str) -> None:
     # tqdm.write prints above an active progress bar instead of through it.
     tqdm.write(f"minigpt.pretrained: {message}", file=sys.stderr)
 
 
-def load_or_build(recipe: Recipe, text: str, *, progress: bool = True,
+def load_or_build(recipe: Recipe, text: str, *, progress: bool = False,
                   cache: Path | None = None) -> tuple[GPT, CharTokenizer, ModelInfo]:
     """The model `recipe` trains on `text`: loaded from the cache if it is there and intact,
     trained (and cached) otherwise. See `book_model`."""
