@@ -183,6 +183,20 @@ def test_no_output_is_a_wall_of_text(entry: str) -> None:
     assert not long, f"{entry}: outputs over {MAX_OUTPUT_LINES} lines (lines, first line): {long}"
 
 
+def test_every_text_output_of_the_site_is_scanned() -> None:
+    # Should the theme change its markup, the line count above must fail, not pass on nothing.
+    _require_site()
+    missed = {}
+    for entry in PAGES:
+        page = (SITE / f"{entry}.html").read_text(encoding="utf-8")
+        outputs = page.count('<div class="output ')
+        if outputs != len(output_blocks(page)):
+            missed[entry] = (outputs, len(output_blocks(page)))
+    assert not missed, f"output divs vs text blocks found, per page: {missed}"
+    assert sum(len(output_blocks((SITE / f"{e}.html").read_text(encoding="utf-8")))
+               for e in PAGES) > 0, "no cell output found on any page"
+
+
 def test_output_blocks_are_found() -> None:
     page = ('<div class="cell_output docutils container"><div class="output stream '
             'highlight-myst-ansi notranslate"><div class="highlight"><pre><span></span>a &lt; b\n'
