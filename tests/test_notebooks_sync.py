@@ -158,3 +158,15 @@ def test_sanitiser_masks_progress_bars_as_nbval_joins_them() -> None:
 )
 def test_sanitiser_leaves_results_alone(text: str) -> None:
     assert _sanitize(text) == text
+
+
+def test_stored_streams_are_merged_in_order() -> None:
+    """A re-baseline's diff shows changed outputs, not how the kernel split a cell's printing."""
+    out = nbformat.v4.new_output
+    pieces = [out("stream", name="stdout", text="a\n"), out("stream", name="stdout", text="b\n"),
+              out("stream", name="stderr", text="w\n"), out("stream", name="stdout", text="c\n"),
+              out("execute_result", data={"text/plain": "1"}, execution_count=1)]
+    merged = baseline._merge_streams(pieces)
+    assert [(o.output_type, o.get("name"), o.get("text")) for o in merged] == [
+        ("stream", "stdout", "a\nb\n"), ("stream", "stderr", "w\n"), ("stream", "stdout", "c\n"),
+        ("execute_result", None, None)]

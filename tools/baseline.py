@@ -138,6 +138,20 @@ def _clean_output(output: nbformat.NotebookNode) -> nbformat.NotebookNode:
     return output
 
 
+def _merge_streams(outputs: list[nbformat.NotebookNode]) -> list[nbformat.NotebookNode]:
+    """Consecutive pieces of one stream joined: how the kernel split a cell's printing into
+    messages varies from run to run (nbval and the output test merge streams anyway)."""
+    merged: list[nbformat.NotebookNode] = []
+    for output in outputs:
+        last = merged[-1] if merged else None
+        if (last is not None and output.output_type == last.output_type == "stream"
+                and output.name == last.name):
+            last.text += output.text
+        else:
+            merged.append(output)
+    return merged
+
+
 def stored_notebook(executed: nbformat.NotebookNode, chapter: Path) -> nbformat.NotebookNode:
     """The executed notebook reduced to what nbval compares, with stable ids."""
     stored = nbformat.v4.new_notebook()
@@ -157,7 +171,7 @@ def stored_notebook(executed: nbformat.NotebookNode, chapter: Path) -> nbformat.
         new.id = f"code-{index:03d}"
         new.metadata = {k: v for k, v in cell.metadata.items() if k != "execution"}
         new.execution_count = cell.execution_count
-        new.outputs = [_clean_output(o) for o in cell.outputs]
+        new.outputs = [_clean_output(o) for o in _merge_streams(cell.outputs)]
         stored.cells.append(new)
     nbformat.validate(stored)
     return stored
