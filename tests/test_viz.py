@@ -367,3 +367,17 @@ def test_architecture_diagram_names_every_stage_and_fills_in_sizes() -> None:
 def test_architecture_diagram_rejects_other_configs() -> None:
     with pytest.raises(TypeError, match="config must be a GPTConfig or None, got dict"):
         viz.architecture_diagram({"d_model": 4})
+
+
+def test_distribution_bars_share_one_token_order():
+    p = torch.tensor([0.1, 0.6, 0.3])
+    q = torch.tensor([0.5, 0.25, 0.25])
+    fig = viz.distribution_bars({"p": p, "q": q}, ["a", " ", "c"], title="two", top=2)
+    left, right = fig.axes
+    assert [t.get_text() for t in left.get_xticklabels()] == ["␣", "c"]  # p's top two
+    assert [b.get_height() for b in right.patches] == pytest.approx([0.25, 0.25])
+    assert "mass shown 0.90" in left.get_title() and fig.get_suptitle() == "two"
+    with pytest.raises(ValueError, match="not a probability vector"):
+        viz.distribution_bars({"bad": [0.5, 0.6, 0.1]}, ["a", "b", "c"], title="t")
+    with pytest.raises(ValueError, match="has 2 entries, tokens 3"):
+        viz.distribution_bars({"p": [0.5, 0.5]}, ["a", "b", "c"], title="t")

@@ -379,6 +379,39 @@ def training_curves(history: Mapping[str, Sequence[float]], *, title: str,
     return fig
 
 
+def distribution_bars(distributions: Mapping[str, Any], tokens: Sequence[str], *,
+                      title: str, top: int = 20) -> Figure:
+    """Several distributions over one vocabulary as bar charts, one panel each.
+
+    Every panel shows the same ``top`` tokens, the most likely under the first
+    distribution, in that order, so that panels compare bar by bar; the title of each
+    panel gives the mass those bars hold. ``tokens[i]`` labels id i (whitespace made
+    visible).
+    """
+    if not distributions:
+        raise ValueError("distributions is empty; pass at least one {label: probs} entry")
+    arrays = {k: _to_numpy(v, f"distribution {k!r}").ravel() for k, v in distributions.items()}
+    for label, probs in arrays.items():
+        if probs.shape != (len(tokens),):
+            raise ValueError(f"distribution {label!r} has {probs.size} entries, tokens "
+                             f"{len(tokens)}")
+        if probs.min() < 0 or abs(probs.sum() - 1.0) > 1e-4:
+            raise ValueError(f"distribution {label!r} is not a probability vector "
+                             f"(min {probs.min():.3g}, sum {probs.sum():.6f})")
+    order = np.argsort(-next(iter(arrays.values())), kind="stable")[:top]
+    fig, axes = plt.subplots(1, len(arrays), layout="constrained", sharey=True,
+                             figsize=(3.2 * len(arrays) + 0.6, 3.2), squeeze=False)
+    for ax, (label, probs) in zip(axes[0], arrays.items(), strict=True):
+        ax.bar(range(len(order)), probs[order], color="tab:blue")
+        ax.set_xticks(range(len(order)), [display_token(tokens[i]) for i in order],
+                      fontsize=8)
+        ax.set_title(f"{label}\n(mass shown {probs[order].sum():.2f})", fontsize=10)
+        ax.set_xlabel("next token")
+    axes[0][0].set_ylabel("probability")
+    fig.suptitle(title)
+    return fig
+
+
 def histogram_plot(
     samples: Mapping[str, Any],
     *,
