@@ -82,13 +82,24 @@ def test_first_two_tokens_follow_the_target(models: tuple[GPT, GPT], k: int,
     assert 0 < accepted < proposed  # both branches, acceptance and residual, were taken
 
 
+def test_acceptance_rate_counts_checked_proposals(models: tuple[GPT, GPT]) -> None:
+    target, draft = models
+    out = speculative_generate(target, draft, [1, 2], 10, k=4,
+                               generator=torch.Generator().manual_seed(3))
+    assert out.rejected > 0 and out.accepted + out.rejected <= out.proposed
+    assert out.acceptance_rate == out.accepted / (out.accepted + out.rejected)
+    rounds = out.target_passes
+    assert out.ids.shape[0] - 2 == out.accepted + rounds  # each round: accepted + 1
+
+
 def test_a_draft_that_is_the_target_is_always_accepted() -> None:
     target = tiny(0)
     out = speculative_generate(target, target, [1], 9, k=4,
                                generator=torch.Generator().manual_seed(0))
     # Rounds of 4 and 3 proposals (9 tokens needed), each accepted with a bonus token.
-    assert out.accepted == out.proposed == 7
+    assert out.accepted == out.proposed == 7 and out.rejected == 0
     assert out.target_passes == 2 and out.tokens_per_pass == 4.5
+    assert out.acceptance_rate == 1.0
 
 
 @pytest.mark.parametrize("k", [1, 2, 5])

@@ -99,17 +99,17 @@ def _speculate(args: argparse.Namespace, model: GPT, tokenizer: Tokenizer,
                          "the draft must share the target's tokenizer")
     gen = torch.Generator(device=args.device).manual_seed(args.seed)
     temperature = 1.0 if args.temperature is None else args.temperature
-    rows, accepted, proposed, passes, new = [], 0, 0, 0, 0
+    rows, accepted, checked, passes, new = [], 0, 0, 0, 0
     for _ in range(args.num_samples):
         res = speculative_generate(model, draft, ids, args.max_new_tokens, k=k,
                                    temperature=temperature, top_k=args.top_k,
                                    top_p=args.top_p, greedy=args.greedy, generator=gen)
         rows.append(res.ids)
-        accepted, proposed = accepted + res.accepted, proposed + res.proposed
+        accepted, checked = accepted + res.accepted, checked + res.accepted + res.rejected
         passes, new = passes + res.target_passes, new + args.max_new_tokens
-    if proposed:
-        print(f"speculative sampling: {accepted}/{proposed} proposals accepted "
-              f"({accepted / proposed:.0%}), {new / max(passes, 1):.2f} tokens per pass of "
+    if checked:
+        print(f"speculative sampling: {accepted}/{checked} proposals accepted "
+              f"({accepted / checked:.0%}), {new / max(passes, 1):.2f} tokens per pass of "
               "the target", file=sys.stderr)
     return torch.stack(rows)
 

@@ -49,6 +49,8 @@ class SpeculativeResult(NamedTuple):
         draft_passes: forward passes of the draft model.
         proposed: draft tokens proposed in all rounds.
         accepted: of those, how many the target accepted.
+        rejected: how many it rejected (at most one a round; the proposals after a
+            rejection are never checked).
     """
 
     ids: Tensor
@@ -57,11 +59,14 @@ class SpeculativeResult(NamedTuple):
     draft_passes: int
     proposed: int
     accepted: int
+    rejected: int
 
     @property
     def acceptance_rate(self) -> float:
-        """accepted / proposed (nan when nothing was proposed)."""
-        return self.accepted / self.proposed if self.proposed else float("nan")
+        """The share of checked proposals that were accepted, accepted / (accepted +
+        rejected): the alpha of tokens per pass (1 - alpha^(k+1)) / (1 - alpha)."""
+        checked = self.accepted + self.rejected
+        return self.accepted / checked if checked else float("nan")
 
     @property
     def tokens_per_pass(self) -> float:
@@ -152,7 +157,7 @@ def speculative_generate(
     modes = target.training, draft.training
     target.eval()
     draft.eval()
-    passes, draft_passes, proposed, accepted = 0, 0, 0, 0
+    passes, draft_passes, proposed, accepted, rejected = 0, 0, 0, 0, 0
     try:
         while seq.shape[1] < end:
             n = seq.shape[1]
@@ -183,6 +188,7 @@ def speculative_generate(
             if extra is None:  # all accepted: the target's pass gives one more for free
                 extra = int(torch.multinomial(ps[kk], 1, generator=generator))
             proposed, accepted = proposed + kk, accepted + m
+            rejected += m < kk
             seq = torch.cat([proposals[:, :n + m], seq.new_tensor([[extra]])], dim=1)
             for cache in (t_cache, d_cache):  # forget the rejected proposals
                 if cache is not None:
@@ -191,7 +197,7 @@ def speculative_generate(
         target.train(modes[0])
         draft.train(modes[1])
     return SpeculativeResult(seq[0, :end], ids.shape[0], passes, draft_passes, proposed,
-                             accepted)
+                             accepted, rejected)
 
 
 def _check_args(target: object, draft: object, k: object, temperature: object,
