@@ -377,6 +377,9 @@ def test_distribution_bars_share_one_token_order():
     assert [t.get_text() for t in left.get_xticklabels()] == ["␣", "c"]  # p's top two
     assert [b.get_height() for b in right.patches] == pytest.approx([0.25, 0.25])
     assert "mass shown 0.90" in left.get_title() and fig.get_suptitle() == "two"
+    own = viz.distribution_bars({"p": p, "q": q}, ["a", " ", "c"], title="t", top=2,
+                                same_order=False)
+    assert [t.get_text() for t in own.axes[1].get_xticklabels()] == ["a", "␣"]  # q's own
     with pytest.raises(ValueError, match="not a probability vector"):
         viz.distribution_bars({"bad": [0.5, 0.6, 0.1]}, ["a", "b", "c"], title="t")
     with pytest.raises(ValueError, match="has 2 entries, tokens 3"):

@@ -380,13 +380,14 @@ def training_curves(history: Mapping[str, Sequence[float]], *, title: str,
 
 
 def distribution_bars(distributions: Mapping[str, Any], tokens: Sequence[str], *,
-                      title: str, top: int = 20) -> Figure:
+                      title: str, top: int = 20, same_order: bool = True) -> Figure:
     """Several distributions over one vocabulary as bar charts, one panel each.
 
-    Every panel shows the same ``top`` tokens, the most likely under the first
-    distribution, in that order, so that panels compare bar by bar; the title of each
-    panel gives the mass those bars hold. ``tokens[i]`` labels id i (whitespace made
-    visible).
+    With ``same_order`` every panel shows the ``top`` tokens most likely under the first
+    distribution, in that order, so that panels compare bar by bar (one distribution
+    reshaped several ways); otherwise each panel shows its own ``top`` (distributions
+    after different prompts). The title of each panel gives the mass its bars hold.
+    ``tokens[i]`` labels id i (whitespace made visible).
     """
     if not distributions:
         raise ValueError("distributions is empty; pass at least one {label: probs} entry")
@@ -398,10 +399,11 @@ def distribution_bars(distributions: Mapping[str, Any], tokens: Sequence[str], *
         if probs.min() < 0 or abs(probs.sum() - 1.0) > 1e-4:
             raise ValueError(f"distribution {label!r} is not a probability vector "
                              f"(min {probs.min():.3g}, sum {probs.sum():.6f})")
-    order = np.argsort(-next(iter(arrays.values())), kind="stable")[:top]
+    first = np.argsort(-next(iter(arrays.values())), kind="stable")[:top]
     fig, axes = plt.subplots(1, len(arrays), layout="constrained", sharey=True,
                              figsize=(3.2 * len(arrays) + 0.6, 3.2), squeeze=False)
     for ax, (label, probs) in zip(axes[0], arrays.items(), strict=True):
+        order = first if same_order else np.argsort(-probs, kind="stable")[:top]
         ax.bar(range(len(order)), probs[order], color="tab:blue")
         ax.set_xticks(range(len(order)), [display_token(tokens[i]) for i in order],
                       fontsize=8)
