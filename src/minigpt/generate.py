@@ -90,7 +90,8 @@ def top_k_filter(logits: Tensor, k: int) -> Tensor:
 
 
 def top_p_filter(logits: Tensor, p: float) -> Tensor:
-    """Nucleus filter: keep the smallest set of most likely tokens whose mass reaches p.
+    """Nucleus filter: keep the smallest set of most likely tokens whose
+    mass reaches p.
 
     Tokens are sorted by probability; a token is kept if the mass of the
     tokens before it is still below p. The most likely token is therefore
@@ -107,13 +108,15 @@ def top_p_filter(logits: Tensor, p: float) -> Tensor:
     if not 0.0 < p <= 1.0:
         raise ValueError(f"top_p must lie in (0, 1], got {p}")
     if p == 1.0:
-        # Rounding in the cumulative sum could otherwise drop the least likely tokens.
+        # Rounding in the cumulative sum could drop the least likely tokens.
         return logits.clone()
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
     probs = torch.softmax(sorted_logits, dim=-1)
-    mass_before = torch.cumsum(probs, dim=-1) - probs  # mass of strictly more likely tokens
+    # the mass of the strictly more likely tokens
+    mass_before = torch.cumsum(probs, dim=-1) - probs
     drop_sorted = mass_before >= p
-    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)  # back to vocab order
+    # back to vocabulary order
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
 
 

@@ -127,27 +127,34 @@ def shutdown(ctx: DistContext) -> None:
 
 
 def wrap_model(model: nn.Module, ctx: DistContext) -> nn.Module:
-    """The model as this process trains it: wrapped in `DistributedDataParallel` when there
-    are several ranks (it broadcasts rank 0's weights once, then averages gradients in
-    buckets while the backward pass runs), the model itself otherwise."""
+    """The model as this process trains it.
+
+    With several ranks it is wrapped in `DistributedDataParallel`, which
+    broadcasts rank 0's weights once, then averages the gradients in buckets
+    while the backward pass runs; a single process trains the model itself.
+    """
     if not ctx.distributed:
         return model
     ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=ids)
 
 
-def rank_batch(data: np.ndarray, batch_size: int, context_length: int, ctx: DistContext, *,
-               generator: torch.Generator) -> tuple[Tensor, Tensor]:
-    """Rank ``ctx.rank``'s share of one global batch: (B, T) inputs and targets.
+def rank_batch(
+    data: np.ndarray, batch_size: int, context_length: int, ctx: DistContext,
+    *, generator: torch.Generator,
+) -> tuple[Tensor, Tensor]:
+    """Rank ``ctx.rank``'s share of one global batch: (B, T) inputs, targets.
 
-    Every rank draws the same B * world_size windows from the same seeded generator and
-    keeps rows r B .. (r + 1) B - 1, so the ranks read different windows and together read
-    exactly the batch that one process with batch size B * world_size would read.
+    Every rank draws the same B * world_size windows from the same seeded
+    generator and keeps rows r B .. (r + 1) B - 1, so the ranks read
+    different windows and together exactly the batch that one process with
+    batch size B * world_size would read.
     """
     if not ctx.distributed:
         return get_batch(data, batch_size, context_length, generator=generator,
                          device=ctx.device)
-    x, y = get_batch(data, batch_size * ctx.world_size, context_length, generator=generator)
+    x, y = get_batch(data, batch_size * ctx.world_size, context_length,
+                     generator=generator)
     rows = slice(ctx.rank * batch_size, (ctx.rank + 1) * batch_size)
     return x[rows].to(ctx.device), y[rows].to(ctx.device)
 

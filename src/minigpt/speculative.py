@@ -92,18 +92,20 @@ def next_token_distribution(logits: Tensor, *, temperature: float = 1.0,
     return torch.softmax(logits, dim=-1)
 
 
-def verify(p: Tensor, q: Tensor, token: int, generator: torch.Generator | None = None,
-           ) -> tuple[bool, int]:
+def verify(p: Tensor, q: Tensor, token: int,
+           generator: torch.Generator | None = None) -> tuple[bool, int]:
     """Check one proposal ``token`` drawn from q (V,) against the target's p (V,).
 
     Returns (True, token) with probability min(1, p[token] / q[token]); otherwise
     (False, y) with y drawn from max(0, p - q) / sum(max(0, p - q)).
     """
     u = torch.rand((), generator=generator, device=p.device)
-    if u * q[token] < p[token]:  # u < p/q, without dividing (q[token] > 0: it was drawn)
+    # u < p/q, without dividing (q[token] > 0: it was drawn from q)
+    if u * q[token] < p[token]:
         return True, token
     residual = (p - q).clamp(min=0.0)
-    return False, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+    y = torch.multinomial(residual / residual.sum(), 1, generator=generator)
+    return False, int(y)
 
 
 @torch.no_grad()

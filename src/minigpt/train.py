@@ -143,31 +143,37 @@ class TrainConfig(BaseModel):
 # ------------------------------------------------------------------ optimiser and schedule
 
 
-def configure_optimizer(model: nn.Module, *, lr: float, weight_decay: float,
-                        betas: tuple[float, float] = (0.9, 0.99)) -> torch.optim.AdamW:
-    """AdamW with two parameter groups: decay for tensors of dim >= 2, none for the rest.
+def configure_optimizer(
+    model: nn.Module, *, lr: float, weight_decay: float,
+    betas: tuple[float, float] = (0.9, 0.99),
+) -> torch.optim.AdamW:
+    """AdamW with two parameter groups: decay for tensors of dim >= 2, none
+    for the rest.
 
-    Matrices (linear weights, embeddings) are decayed; biases and layer-norm gains are
-    not, since shrinking a gain or an offset towards 0 is no regulariser of the function's
-    complexity. Tied weights appear once (``model.parameters()`` de-duplicates them). The
-    fused kernel (one pass over all tensors) is used; PyTorch has it on CPU and CUDA.
+    Matrices (linear weights, embeddings) are decayed; biases and layer-norm
+    gains are not, since shrinking a gain or an offset towards 0 is no
+    regulariser of the function's complexity. Tied weights appear once
+    (``model.parameters()`` de-duplicates them). The fused kernel (one pass
+    over all tensors) is used; PyTorch has it on CPU and CUDA.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() >= 2],
+         "weight_decay": weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=True)
 
 
-def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, decay_steps: int) -> float:
+def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int,
+          decay_steps: int) -> float:
     """The learning rate of optimiser step ``step`` (counted from 0).
 
-    * warm-up, step < warmup_steps: linear, lr * (step + 1) / warmup_steps, so the first
-      step already moves and step warmup_steps - 1 uses the full lr;
-    * decay, warmup_steps <= step <= decay_steps: cosine from lr down to min_lr,
-      min_lr + (lr - min_lr) * (1 + cos(pi * r)) / 2 with r = (step - warmup_steps) /
-      (decay_steps - warmup_steps);
+    * warm-up, step < warmup_steps: linear, lr * (step + 1) / warmup_steps,
+      so the first step already moves and step warmup_steps - 1 uses lr;
+    * decay, warmup_steps <= step <= decay_steps: cosine from lr to min_lr,
+      min_lr + (lr - min_lr) * (1 + cos(pi * r)) / 2 with
+      r = (step - warmup_steps) / (decay_steps - warmup_steps);
     * after decay_steps: min_lr.
     """
     if step < warmup_steps:
@@ -186,7 +192,10 @@ def _autocast(device: torch.device, bf16: bool) -> Any:
 
 
 def lm_loss(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
-    """Mean next-token cross-entropy: x, y (B, T) -> scalar. Logits (B, T, V) -> (B T, V)."""
+    """Mean next-token cross-entropy: x, y (B, T) -> scalar.
+
+    The logits (B, T, V) are flattened to (B T, V): every position counts once.
+    """
     logits = model(x)
     return F.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1))
 
@@ -280,15 +289,18 @@ class StepResult:
     grad_norm: float  # global L2 norm of the gradient, before clipping
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
-               micro_batches: Sequence[tuple[Tensor, Tensor]], *, grad_clip: float,
-               bf16: bool = False) -> StepResult:
+def train_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer,
+    micro_batches: Sequence[tuple[Tensor, Tensor]], *, grad_clip: float,
+    bf16: bool = False,
+) -> StepResult:
     """One optimiser step on k micro-batches of (x, y), each (B, T).
 
-    Each micro-batch's mean loss is scaled by 1/k before its backward pass, so the summed
-    gradient is that of the mean loss over all k * B sequences. Under DDP the gradients
-    are averaged over the ranks once, during the last micro-batch's backward pass.
-    The gradient is clipped to norm ``grad_clip`` (0: not clipped) before the update.
+    Each micro-batch's mean loss is scaled by 1/k before its backward pass,
+    so the summed gradient is that of the mean loss over all k * B
+    sequences. Under DDP the gradients are averaged over the ranks once,
+    during the last micro-batch's backward pass. The gradient is clipped to
+    norm ``grad_clip`` (0: not clipped) before the update.
     """
     k = len(micro_batches)
     loss_sum = torch.zeros((), device=micro_batches[0][0].device)
@@ -301,7 +313,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     norm = nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss_sum.item() / k, float(norm))  # .item() waits for the step
+    # .item() waits for the step to finish
+    return StepResult(loss_sum.item() / k, float(norm))
 
 
 def _sync_gradients(model: nn.Module, sync: bool) -> Any:
@@ -337,12 +350,32 @@ def save_run(path: Path, model: GPT, optimizer: torch.optim.Optimizer, config: T
     barrier(ctx)
 
 
-def resume_run(ckpt: dict[str, Any], model: GPT, optimizer: torch.optim.Optimizer,
-               config: TrainConfig, batch_gen: torch.Generator,
-               ctx: DistContext = SINGLE) -> tuple[int, History]:
-    """Restore a saved run into ``model``, ``optimizer`` and the generators; returns the
-    step it reached and its history. Refuses a checkpoint of another model, other settings
-    (only max_steps and the device may change) or another number of processes."""
+def resume_run(
+    ckpt: dict[str, Any], model: GPT, optimizer: torch.optim.Optimizer,
+    config: TrainConfig, batch_gen: torch.Generator,
+    ctx: DistContext = SINGLE,
+) -> tuple[int, History]:
+    """Restore a saved run into ``model``, ``optimizer`` and the random
+    generators; return the step it reached and its history.
+
+    A checkpoint of another model, of other settings (only max_steps and the
+    device may change) or of another number of processes is refused.
+    """
+    _check_resumable(ckpt, model, config, ctx)
+    model.load_state_dict(ckpt["model"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    rng = ckpt["rng"]
+    batch_gen.set_state(rng["batches"])  # the batches: one stream, all ranks
+    mine = rng["ranks"][ctx.rank] if "ranks" in rng else rng  # dropout's
+    torch.set_rng_state(mine["torch"])
+    if "cuda" in mine and ctx.device.type == "cuda":
+        torch.cuda.set_rng_state(mine["cuda"], ctx.device)
+    history = History(**({"grad_norm": []} | ckpt["history"]))
+    return int(ckpt["step"]), history
+
+
+def _check_resumable(ckpt: dict[str, Any], model: GPT, config: TrainConfig,
+                     ctx: DistContext) -> None:
     if ckpt["model_config"] != model.config.model_dump():
         raise ValueError("the model's configuration differs from the checkpoint's; "
                          "resume with the checkpoint's GPTConfig")
@@ -355,16 +388,6 @@ def resume_run(ckpt: dict[str, Any], model: GPT, optimizer: torch.optim.Optimize
                          f"process(es) and this run has {ctx.world_size}; resume with the "
                          "same number (--nproc-per-node), since the batches each step reads "
                          "depend on it")
-    model.load_state_dict(ckpt["model"])
-    optimizer.load_state_dict(ckpt["optimizer"])
-    rng = ckpt["rng"]
-    batch_gen.set_state(rng["batches"])
-    mine = rng["ranks"][ctx.rank] if "ranks" in rng else rng
-    torch.set_rng_state(mine["torch"])
-    if "cuda" in mine and ctx.device.type == "cuda":
-        torch.cuda.set_rng_state(mine["cuda"], ctx.device)
-    history = History(**({"grad_norm": []} | ckpt["history"]))
-    return int(ckpt["step"]), history
 
 
 def train(
