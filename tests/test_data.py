@@ -321,6 +321,7 @@ def test_get_batch_is_the_seed_algorithm() -> None:
     assert x.shape == y.shape == (B, T) and x.dtype == y.dtype == torch.int64
     assert torch.equal(x, expected_x) and torch.equal(y, expected_y)
     assert torch.equal(x[:, 1:], y[:, :-1])  # targets are the inputs shifted by one
+    assert x.is_contiguous() and y.is_contiguous()  # the loss views them as (B T,)
 
 
 def test_get_batch_reads_a_memmap_and_is_reproducible(tmp_path: Path) -> None:

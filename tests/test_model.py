@@ -23,6 +23,27 @@ def test_logits_shape(debug_model):
     assert len(maps) == 2 and all(m.shape == (2, 2, 8, 8) for m in maps)
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int16, torch.uint8])
+def test_out_of_range_ids_are_caught_in_every_integer_dtype(debug_model, dtype):
+    with pytest.raises(ValueError, match=r"token id 200 is out of range"):
+        debug_model(torch.tensor([[3, 200, 1]], dtype=dtype))
+    assert debug_model(torch.tensor([[0, 15, 7]], dtype=dtype)).shape == (1, 3, 16)
+
+
+def test_activation_reaches_every_block():
+    torch.manual_seed(0)
+    exact = GPT(GPTConfig.debug(activation="gelu")).eval()
+    tanh = GPT(GPTConfig.debug(activation="gelu_tanh")).eval()
+    with torch.no_grad():  # GELU inputs of order 1, where the two forms differ (at 0.02: not)
+        for block in exact.h:
+            block.mlp.c_fc.weight.mul_(100.0)
+    tanh.load_state_dict(exact.state_dict())
+    assert [b.mlp.gelu.approximate for b in exact.h] == ["none", "none"]
+    assert [b.mlp.gelu.approximate for b in tanh.h] == ["tanh", "tanh"]
+    ids = torch.randint(0, 16, (2, 8))
+    assert not torch.allclose(exact(ids), tanh(ids), atol=1e-7)  # the switch changes logits
+
+
 @pytest.mark.parametrize(
     ("ids", "error", "message"),
     [

@@ -1,6 +1,7 @@
 """Time minigpt's training step against nanoGPT's on nanoGPT's CPU recipe, interleaved.
 
     .venv/bin/python tools/bench_nanogpt.py NANOGPT_DIR DATA_TXT [--rounds 5] [--steps 600]
+        [--threads N] [--seed 1337] [--vary-seed]
 
 NANOGPT_DIR is a checkout of nanoGPT whose `data/shakespeare_char/` holds `train.bin`,
 `val.bin` and `meta.pkl` made by its `prepare.py` from DATA_TXT (the Tiny Shakespeare
@@ -12,13 +13,17 @@ step time (nanoGPT's logged per-iteration times from iteration 1 on; minigpt's
 `median_step_ms`) and their ratio; the summary gives the median ratio over the rounds.
 Each round also scores both trained models on the whole validation split (every token
 predicted once, from non-overlapping windows of 64): run with --steps 2000 for the
-recipe's length.
+recipe's length, and --vary-seed to train round r with seed + r (nanoGPT seeds torch with
+1337 and has no option for it: its train.py is then started with `torch.manual_seed`
+shifted by seed - 1337). --threads N sets OMP_NUM_THREADS=N for both programs; without
+it both use PyTorch's default (one thread per core).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -32,14 +37,18 @@ SHAPE = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64, "batch_size
 
 def nanogpt(folder: Path, steps: int, seed: int, out: Path) -> tuple[float, list[float]]:
     """Median ms per iteration of nanoGPT's train.py, and its logged losses."""
-    cmd = [sys.executable, "train.py", "config/train_shakespeare_char.py", "--device=cpu",
+    start = ["train.py"]
+    if seed != 1337:  # its train.py calls torch.manual_seed(1337): shift that seed
+        start = ["-c", "import runpy, torch; seed = torch.manual_seed; "
+                 f"torch.manual_seed = lambda s: seed(s + {seed - 1337}); "
+                 "runpy.run_path('train.py', run_name='__main__')"]
+    cmd = [sys.executable, *start, "config/train_shakespeare_char.py", "--device=cpu",
            "--compile=False", "--eval_iters=20", "--log_interval=1", f"--max_iters={steps}",
            "--lr_decay_iters=2000", "--dropout=0.0", f"--eval_interval={steps}",
            f"--out_dir={out}", "--always_save_checkpoint=True",
            *(f"--{k}={v}" for k, v in SHAPE.items())]
-    env = {"PYTHONHASHSEED": str(seed)}
     log = subprocess.run(cmd, cwd=folder, capture_output=True, text=True, check=True,
-                         env=_env(env)).stdout
+                         env=_env({})).stdout
     times = [float(t) for t in re.findall(r"^iter (?:[1-9]\d*): .*time ([\d.]+)ms", log,
                                           flags=re.M)]
     losses = [float(x) for x in re.findall(r"val loss ([\d.]+)", log)]
@@ -86,14 +95,15 @@ with torch.no_grad():
 print(total / (n * T))
 """
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         check=True)
+                         check=True, env=_env({}))
     return float(run.stdout.strip().splitlines()[-1])
 
 
-def _env(extra: dict[str, str]) -> dict[str, str]:
-    import os
+THREADS: dict[str, str] = {}  # OMP_NUM_THREADS for both programs, when --threads is given
 
-    return dict(os.environ) | extra
+
+def _env(extra: dict[str, str]) -> dict[str, str]:
+    return dict(os.environ) | THREADS | extra
 
 
 def main() -> int:
@@ -103,28 +113,39 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--vary-seed", action="store_true", help="round r trains with seed + r")
+    p.add_argument("--threads", type=int, help="OMP_NUM_THREADS for both (default: torch's)")
     args = p.parse_args()
+    if args.threads is not None:
+        THREADS["OMP_NUM_THREADS"] = str(args.threads)
     if not (args.nanogpt / "data" / "shakespeare_char" / "train.bin").is_file():
         p.error(f"{args.nanogpt}/data/shakespeare_char/train.bin is missing: run its "
                 "prepare.py with input.txt copied beside it")
-    ratios = []
+    ratios: list[float] = []
+    times: dict[str, list[float]] = {"minigpt": [], "nanogpt": []}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             order = ("minigpt", "nanogpt") if r % 2 == 0 else ("nanogpt", "minigpt")
             ms: dict[str, float] = {}
+            seed = args.seed + r if args.vary_seed else args.seed
             for name in order:
                 out = Path(tmp, f"{name}-{r}")
                 if name == "minigpt":
-                    ms[name], m = minigpt(args.text, args.steps, args.seed, out)
-                    full = m["final_val_loss_full"]
+                    ms[name], m = minigpt(args.text, args.steps, seed, out)
+                    full, threads = m["final_val_loss_full"], m["torch_threads"]
                 else:
-                    ms[name], _ = nanogpt(args.nanogpt, args.steps, args.seed, out)
+                    ms[name], _ = nanogpt(args.nanogpt, args.steps, seed, out)
                     nano_full = nanogpt_full_loss(args.nanogpt, out)
+                times[name].append(ms[name])
             ratios.append(ms["minigpt"] / ms["nanogpt"])
-            print(f"round {r + 1}: minigpt {ms['minigpt']:.1f} ms/step, nanoGPT "
+            print(f"round {r + 1} (seed {seed}, {threads} threads): minigpt "
+                  f"{ms['minigpt']:.1f} ms/step, nanoGPT "
                   f"{ms['nanogpt']:.1f} ms/step, ratio {ratios[-1]:.3f}; whole-split "
                   f"validation loss minigpt {full:.4f}, nanoGPT {nano_full:.4f}",
                   flush=True)
+    print(f"median ms/step over {args.rounds} rounds: minigpt "
+          f"{statistics.median(times['minigpt']):.1f}, nanoGPT "
+          f"{statistics.median(times['nanogpt']):.1f}")
     print(f"median ratio minigpt / nanoGPT over {args.rounds} rounds: "
           f"{statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})")
     return 0

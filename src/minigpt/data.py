@@ -297,9 +297,11 @@ def get_batch(data: np.ndarray, batch_size: int, context_length: int, *,
         raise ValueError(f"data has {n} tokens but context_length is {context_length}; a batch "
                          f"needs more tokens than context_length (N > T)")
     ix = torch.randint(0, n - context_length, (batch_size,), generator=generator)
-    x = torch.stack([torch.from_numpy(data[i:i + context_length].astype(np.int64)) for i in ix])
-    y = torch.stack(
-        [torch.from_numpy(data[i + 1:i + 1 + context_length].astype(np.int64)) for i in ix])
+    # One indexing call reads all B windows of T + 1 tokens, row b = data[i_b : i_b + T + 1];
+    # x is their first T columns, y their last T.
+    rows = ix.numpy()[:, None] + np.arange(context_length + 1)  # (B, T + 1) positions
+    windows = torch.from_numpy(data[rows].astype(np.int64))
+    x, y = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
     if torch.device(device).type == "cuda":
         # Pinned (page-locked) host memory lets the copy run asynchronously with compute.
         x, y = x.pin_memory(), y.pin_memory()

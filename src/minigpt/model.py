@@ -120,7 +120,8 @@ class GPT(nn.Module):
             if cache.batch_size is not None and cache.batch_size != input_ids.shape[0]:
                 raise ValueError(f"the cache holds {cache.batch_size} sequences, input_ids has "
                                  f"{input_ids.shape[0]} rows")
-        low, high = int(input_ids.min()), int(input_ids.max())
+        extremes = torch.aminmax(input_ids)  # one pass over the ids, not a min and a max
+        low, high = int(extremes.min), int(extremes.max)
         if low < 0 or high >= self.config.vocab_size:
             bad = low if low < 0 else high
             raise ValueError(
