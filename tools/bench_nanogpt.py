@@ -1,13 +1,14 @@
 """Time minigpt's training step against nanoGPT's on nanoGPT's CPU recipe, interleaved.
 
     .venv/bin/python tools/bench_nanogpt.py NANOGPT_DIR DATA_TXT [--rounds 5] [--steps 600]
-        [--threads N] [--seed 1337] [--vary-seed]
+        [--threads N] [--seed 1337] [--vary-seed] [--minigpt-args="--bf16"]
 
 NANOGPT_DIR is a checkout of nanoGPT whose `data/shakespeare_char/` holds `train.bin`,
 `val.bin` and `meta.pkl` made by its `prepare.py` from DATA_TXT (the Tiny Shakespeare
 text); nothing of nanoGPT is part of this project, it is run as an external command.
-Both programs train the same model (character level, 4 layers, 4 heads, D = 128,
-T = 64, batch 12, no dropout) with the same schedule, in alternation (A B, B A, ...) so
+Both programs train a model of the same shape (character level, 4 layers, 4 heads,
+D = 128, T = 64, batch 12, no dropout; nanoGPT's train.py leaves out the biases, minigpt
+keeps GPT-2's) with the same schedule, in alternation (A B, B A, ...) so
 that a change in the machine's load hits both. Each round reports each program's median
 step time (nanoGPT's logged per-iteration times from iteration 1 on; minigpt's
 `median_step_ms`) and their ratio; the summary gives the median ratio over the rounds.
@@ -16,7 +17,9 @@ predicted once, from non-overlapping windows of 64): run with --steps 2000 for t
 recipe's length, and --vary-seed to train round r with seed + r (nanoGPT seeds torch with
 1337 and has no option for it: its train.py is then started with `torch.manual_seed`
 shifted by seed - 1337). --threads N sets OMP_NUM_THREADS=N for both programs; without
-it both use PyTorch's default (one thread per core).
+it both use PyTorch's default (one thread per core). --minigpt-args adds options to
+minigpt's command only (e.g. --bf16, which nanoGPT's CPU recipe does not use: a different
+recipe, so not a like-for-like comparison).
 """
 
 from __future__ import annotations
@@ -55,7 +58,8 @@ def nanogpt(folder: Path, steps: int, seed: int, out: Path) -> tuple[float, list
     return statistics.median(times), losses
 
 
-def minigpt(text: Path, steps: int, seed: int, out: Path) -> tuple[float, dict[str, float]]:
+def minigpt(text: Path, steps: int, seed: int, out: Path,
+            extra: list[str]) -> tuple[float, dict[str, float]]:
     """Median ms per step of `python -m minigpt train`, and its metrics."""
     cmd = [sys.executable, "-m", "minigpt", "train", "--text", str(text), "--tokenizer",
            "char", "--n-layers", "4", "--n-heads", "4", "--d-model", "128",
@@ -63,7 +67,8 @@ def minigpt(text: Path, steps: int, seed: int, out: Path) -> tuple[float, dict[s
            "--lr", "1e-3", "--min-lr", "1e-4", "--warmup-steps", "100",
            "--decay-steps", "2000", "--weight-decay", "0.1", "--beta2", "0.99",
            "--grad-clip", "1.0", "--dropout", "0.0", f"--eval-interval={steps}",
-           "--eval-steps", "20", "--seed", str(seed), "--out", str(out), "--no-progress"]
+           "--eval-steps", "20", "--seed", str(seed), "--out", str(out), "--no-progress",
+           *extra]
     subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True, env=_env({}))
     metrics = json.loads((out / "metrics.json").read_text())
     return float(metrics["median_step_ms"]), metrics
@@ -115,6 +120,8 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--vary-seed", action="store_true", help="round r trains with seed + r")
     p.add_argument("--threads", type=int, help="OMP_NUM_THREADS for both (default: torch's)")
+    p.add_argument("--minigpt-args", default="",
+                   help="more options for minigpt's train, e.g. --minigpt-args=--bf16")
     args = p.parse_args()
     if args.threads is not None:
         THREADS["OMP_NUM_THREADS"] = str(args.threads)
@@ -131,7 +138,8 @@ def main() -> int:
             for name in order:
                 out = Path(tmp, f"{name}-{r}")
                 if name == "minigpt":
-                    ms[name], m = minigpt(args.text, args.steps, seed, out)
+                    ms[name], m = minigpt(args.text, args.steps, seed, out,
+                                          args.minigpt_args.split())
                     full, threads = m["final_val_loss_full"], m["torch_threads"]
                 else:
                     ms[name], _ = nanogpt(args.nanogpt, args.steps, seed, out)
