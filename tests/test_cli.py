@@ -1,16 +1,22 @@
-"""`python -m minigpt train` and `sample`, driven through `minigpt.cli.main` on a tiny text."""
+"""`python -m minigpt train` and `sample` (and the parser of every command), driven through
+`minigpt.cli.main` on a tiny text."""
 
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from minigpt.checkpoint import load_checkpoint
+from minigpt import GPTConfig
+from minigpt.checkpoint import load_checkpoint, save_checkpoint
 from minigpt.cli import main
-from minigpt.generate import beam_search
+from minigpt.decoding import beam_search
 from minigpt.sample import load_model
+from minigpt.train import TrainConfig
 
 TEXT = "".join(
     f"{who}:\nWhat say you, {whom}? The night is {mood} and the hour grows late.\n\n"
@@ -187,6 +193,8 @@ def _fails(argv: list[str], capsys: pytest.CaptureFixture[str], code: int, *need
         (["--text", "/no/such/file.txt"], 1, ["--text /no/such/file.txt: no such file"]),
         (["--lr", "-1"], 2, ["--lr", "greater than 0"]),
         (["--lr", "fast"], 2, ["argument --lr: invalid float value"]),
+        (["--batch-size", "1.5"], 2, ["argument --batch-size: invalid int value: '1.5'"]),
+        (["--max-step", "3"], 2, ["unrecognized arguments: --max-step"]),
         (["--n-heads", "3"], 2, ["d_model (=16) must be divisible by n_heads (=3)"]),
         (["--dropout", "1.5"], 2, ["--dropout", "less than 1"]),
         (["--tokenizer", "words"], 2, ["invalid choice: 'words'"]),
@@ -290,6 +298,46 @@ def test_sample_checkpoint_errors(tmp_path: Path, trained: Path,
     _fails(["sample", "--prompt", "a"], capsys, 2, "required: --checkpoint")
 
 
+def test_a_checkpoint_with_a_bad_split_pattern_is_named(
+        trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ckpt = load_checkpoint(trained)
+    ckpt["tokenizer"] = {"kind": "bpe", "name": "b", "merges": [], "special_tokens": [],
+                         "pat_str": "(ab"}
+    save_checkpoint(tmp_path / "checkpoint.pt", ckpt)
+    for name in ("train.bin", "val.bin"):
+        (tmp_path / name).write_bytes((trained / name).read_bytes())
+    needle = "pat_str '(ab' is not a valid regular expression: missing ) at position 3"
+    _fails(["sample", "--checkpoint", str(tmp_path), "--prompt", "a"], capsys, 1,
+           f"the checkpoint in {tmp_path} is inconsistent", needle)
+    _fails(["train", "--out", str(tmp_path), "--resume", "--no-progress"], capsys, 1, needle)
+
+
+def test_every_config_field_has_its_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    # A field added to TrainConfig or GPTConfig without a flag fails here, by name.
+    assert main(["train", "--help"]) == 0
+    flags = set(re.findall(r"--[a-z0-9-]+", capsys.readouterr().out))
+    fixed = {"vocab_size", "tie_weights", "positional", "layer_norm_eps"}  # the CPU preset's
+    for field in [*TrainConfig.model_fields, *(set(GPTConfig.model_fields) - fixed)]:
+        assert "--" + field.replace("_", "-") in flags, field
+
+
+def test_usage_errors_of_the_command_itself(capsys: pytest.CaptureFixture[str]) -> None:
+    _fails([], capsys, 2, "the following arguments are required: COMMAND")
+    _fails(["tran"], capsys, 2, "invalid choice: 'tran'", "'train'")
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in ("train", "sample", "assets", "pretrained"))
+
+
+def test_python_dash_m_runs_the_command_line() -> None:
+    ok = subprocess.run([sys.executable, "-m", "minigpt", "sample", "--help"],
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "usage: python -m minigpt sample" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "minigpt", "sample", "--top-k", "x"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "argument --top-k: invalid int value: 'x'" in bad.stderr
+
+
 def test_help_exits_cleanly(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["train", "--help"]) == 0
     out = capsys.readouterr().out
@@ -298,4 +346,10 @@ def test_help_exits_cleanly(capsys: pytest.CaptureFixture[str]) -> None:
                  "--warmup-steps", "--weight-decay", "--beta2", "--grad-clip", "--dropout",
                  "--eval-interval", "--eval-steps", "--seed", "--out", "--resume"):
         assert flag in out, flag
-    assert main(["sample", "--help"]) == 0
+    for command, flags in (("sample", ("--checkpoint", "--beams", "--draft")),
+                           ("assets", ("--check", "--cache")),
+                           ("pretrained", ("--only", "--quiet"))):
+        assert main([command, "--help"]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith(f"usage: python -m minigpt {command}"), out
+        assert all(flag in out for flag in flags), (command, out)

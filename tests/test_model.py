@@ -30,6 +30,38 @@ def test_out_of_range_ids_are_caught_in_every_integer_dtype(debug_model, dtype):
     assert debug_model(torch.tensor([[0, 15, 7]], dtype=dtype)).shape == (1, 3, 16)
 
 
+def test_ids_on_a_gpu_are_checked_without_reading_them_on_the_host():
+    # No GPU here: the meta device stands in for it. A meta tensor has no values, so any
+    # host read of the ids (int(), .item(), bool()) would raise; the forward pass
+    # completing shows the check queued a device-side assertion instead of reading.
+    model = GPT(GPTConfig.debug()).to("meta")
+    for ids in (torch.tensor([[0, 15, 7]]), torch.tensor([[3, 200, 1]])):
+        assert model(ids.to("meta")).shape == (1, 3, 16)
+
+
+def test_device_side_check_fails_exactly_on_out_of_range_ids(debug_model, monkeypatch):
+    # The device-side branch, run on the CPU (where torch._assert_async raises at once,
+    # with its message): its condition and message are the ones a GPU run would assert.
+    # Untested here: CUDA's own kernel, which reports the message at the next sync.
+    import minigpt.model
+
+    calls = []
+    real = torch._assert_async
+
+    def spy(condition, message):
+        calls.append(condition.device.type)
+        real(condition, message)
+
+    monkeypatch.setattr(minigpt.model, "_ASYNC_CHECK_DEVICES", ("cpu",))
+    monkeypatch.setattr(torch, "_assert_async", spy)
+    assert debug_model(torch.tensor([[0, 15, 7]])).shape == (1, 3, 16)
+    for bad in ([[3, 16, 1]], [[-1, 2, 3]]):
+        with pytest.raises(RuntimeError, match=r"token id is out of range: ids must lie in "
+                                               r"\[0, 16\) \(the vocabulary size\)"):
+            debug_model(torch.tensor(bad))
+    assert calls == ["cpu", "cpu", "cpu"]
+
+
 def test_activation_reaches_every_block():
     torch.manual_seed(0)
     exact = GPT(GPTConfig.debug(activation="gelu")).eval()

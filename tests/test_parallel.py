@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from minigpt import GPT, GPTConfig
+from minigpt.cli import main
 from minigpt.parallel import (
     DistContext,
     DistributedError,
@@ -29,7 +30,7 @@ from minigpt.parallel import (
     init_distributed,
     rank_batch,
 )
-from minigpt.train import configure_optimizer, main, train_step
+from minigpt.train import configure_optimizer, train_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -184,7 +185,7 @@ def test_two_process_resume_continues_the_same_run(runs: Path, tmp_path: Path,
 def test_bad_settings_are_refused_before_any_process_starts(
         argv: list[str], needle: str, tmp_path: Path, text_file: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
-    assert main([*TRAIN_FLAGS, *argv, "--text", str(text_file), "--out",
+    assert main(["train", *TRAIN_FLAGS, *argv, "--text", str(text_file), "--out",
                  str(tmp_path / "o")]) == 1
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err
@@ -198,7 +199,8 @@ def test_a_port_in_use_is_named(tmp_path: Path, text_file: Path,
         busy.listen()
         port = busy.getsockname()[1]
         argv = [*TRAIN_FLAGS, "--text", str(text_file), "--out", str(tmp_path / "o")]
-        assert main([*argv, "--nproc-per-node", "2", "--master-port", str(port)]) == 1
+        assert main(["train", *argv, "--nproc-per-node", "2", "--master-port",
+                     str(port)]) == 1
         assert f"--master-port {port}: cannot listen on 127.0.0.1:{port}" in \
             capsys.readouterr().err
         # A rank started by torchrun (environment variables) on a busy port says so too.

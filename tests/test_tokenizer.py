@@ -187,6 +187,29 @@ def test_bpe_constructor_errors() -> None:
         BPETokenizer([(b"a", b"b"), (b"ab", b"c"), (b"b", b"c"), (b"a", b"bc")])
 
 
+@pytest.mark.parametrize(("pat_str", "error", "message"), [
+    (5, TypeError, "pat_str must be a regular expression \\(a str\\), got int"),
+    ("(ab", ValueError, "pat_str '\\(ab' is not a valid regular expression: missing \\)"),
+    (r"\X|.", ValueError, "tiktoken's engine cannot compile: .*Invalid escape"),
+    (r"a*", ValueError, "matches the empty string"),
+    (r"\w+", ValueError, r"does not cover the text it splits: .* keeps only 'Helloworld"),
+])
+def test_bpe_split_pattern_errors(pat_str: object, error: type[Exception],
+                                  message: str) -> None:
+    with pytest.raises(error, match=message):
+        BPETokenizer([(b"a", b"b")], pat_str=pat_str)  # type: ignore[arg-type]
+
+
+def test_bpe_with_another_split_pattern() -> None:
+    # Letters, digits, spaces and the rest each a run of their own: spaces stand alone.
+    pat = r"\p{L}+|\p{N}+|\s+|[^\s\p{L}\p{N}]+"
+    tok = BPETokenizer([(b"a", b"b"), (b" ", b" ")], pat_str=pat)
+    text = "ab  ab,ab 12"
+    assert tok.encode(text) == tok.encode_reference(text) == [
+        256, 257, 256, 44, 256, 32, 49, 50]
+    assert tok.decode(tok.encode(text)) == text
+
+
 def test_bpe_ties_go_to_the_smaller_pair() -> None:
     # Chunks "cd", "\n", "ab": two pairs, each seen once; the smaller byte values win.
     assert train_bpe("cd\nab", 257, special_tokens=()).merges == [(b"a", b"b")]
@@ -262,6 +285,26 @@ def test_to_dict_round_trips(macbeth: str, bpe: BPETokenizer) -> None:
                                                                        allowed_special="all")
     with pytest.raises(ValueError, match="'kind' must be one of char, bpe, gpt2, got 'word'"):
         tokenizer_from_dict({"kind": "word"})
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"pat_str": "(ab"}, "description is invalid: pat_str '\\(ab' is not a valid regular "
+                         "expression: missing \\) at position 3"),
+    ({"pat_str": None}, "description is invalid: pat_str must be a regular expression "
+                        "\\(a str\\), got NoneType"),
+    ({"pat_str": ""}, "pat_str '' matches the empty string"),
+    ({"merges": [["zz", "00"]]}, "description is invalid: non-hexadecimal number"),
+])
+def test_a_stored_bpe_description_is_checked(bpe: BPETokenizer, change: dict[str, object],
+                                             message: str) -> None:
+    # What a damaged or hand-edited checkpoint holds: every fault is a ValueError that
+    # names it, never an exception from the regex engines.
+    with pytest.raises(ValueError, match=message):
+        tokenizer_from_dict(bpe.to_dict() | change)
+    lacking = {k: v for k, v in bpe.to_dict().items() if k != "pat_str"}
+    with pytest.raises(ValueError, match="the bpe tokenizer's description lacks the entry "
+                                         "'pat_str'"):
+        tokenizer_from_dict(lacking)
 
 
 def test_load_ranks_reads_what_tiktoken_reads(monkeypatch: pytest.MonkeyPatch,

@@ -279,14 +279,22 @@ def test_checkpoint_is_atomic_and_safe_to_load(tmp_path: Path) -> None:
     assert raw["step"] == 3 and raw["model_config"] == model.config.model_dump()
     assert raw["world_size"] == 1 and len(raw["rng"]["ranks"]) == 1
     assert load_checkpoint(tmp_path / "ck")["step"] == 3  # a directory works too
-    # A crash while writing leaves the old checkpoint whole.
-    before = path.read_bytes()
-    with pytest.raises(RuntimeError, match="disk gone"):
-        with mock.patch("torch.save", side_effect=RuntimeError("disk gone")):
-            save_run(path, model, opt, run_config(), step=4, history=History(),
-                     batch_gen=torch.Generator(), tokenizer=None)
-    assert path.read_bytes() == before
+    # While the new bytes go to disk, a reader of the path still sees the old checkpoint
+    # whole; a failure then (the disk gone at fsync) leaves it so, with no temporary file.
+    before, seen = path.read_bytes(), []
+
+    def disk_gone(fd: int) -> None:
+        seen.append(path.read_bytes() == before)
+        raise OSError("disk gone")
+
+    with mock.patch("os.fsync", disk_gone), pytest.raises(OSError, match="disk gone"):
+        save_run(path, model, opt, run_config(), step=4, history=History(),
+                 batch_gen=torch.Generator(), tokenizer=None)
+    assert seen == [True] and path.read_bytes() == before
     assert sorted(p.name for p in path.parent.iterdir()) == ["checkpoint.pt"]
+    save_run(path, model, opt, run_config(), step=4, history=History(),
+             batch_gen=torch.Generator(), tokenizer=None)
+    assert load_checkpoint(path)["step"] == 4  # a write that completes replaces it
 
 
 def test_truncated_or_foreign_checkpoints_are_refused(tmp_path: Path,

@@ -1,11 +1,11 @@
 """minigpt: the GPT that the minigpt book builds, one component at a time.
 
 Data flows one way through the modules: `tokenizer` -> `data` -> `nn` ->
-`model` -> `generate` / `train`; `viz` draws what the chapters show.
+`model` -> `decoding` / `train`; `viz` draws what the chapters show.
 """
 
 from minigpt.config import GPTConfig, seed_all
-from minigpt.generate import beam_search, generate
+from minigpt.decoding import beam_search, generate
 from minigpt.model import GPT
 
 __all__ = ["GPT", "GPTConfig", "beam_search", "generate", "seed_all"]

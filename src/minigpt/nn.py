@@ -125,7 +125,7 @@ class LayerNorm(nn.Module):
 
     ``use_fused`` (the default) hands the same computation to PyTorch's one
     kernel, `torch.nn.functional.layer_norm`, which is several times faster
-    than the seven separate operations below and their backward passes. Set
+    than the ten separate operations below and their backward passes. Set
     it to False to run the formula as written; the two agree to float
     rounding (tests/test_nn.py checks both against `torch.nn.LayerNorm`).
     """

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from minigpt.generate import (
+from minigpt.decoding import (
     _check_count,
     _check_int,
     _check_sampling,
@@ -131,7 +131,7 @@ def speculative_generate(
         prompt_ids: one prompt, (T,) ids or a list of ints.
         max_new_tokens: N >= 0.
         k: proposals per round, >= 1.
-        temperature, top_k, top_p, greedy: as in `minigpt.generate`, applied to both
+        temperature, top_k, top_p, greedy: as in `minigpt.decoding.generate`, applied to both
             models' distributions alike.
         generator: the torch.Generator every random draw uses.
         use_cache: keep a key-value cache in both models (False: every pass re-reads the

@@ -126,6 +126,41 @@ def _check_special_names(special_tokens: Sequence[str]) -> list[str]:
     return names
 
 
+# Letters, digits, punctuation, whitespace and non-ASCII text: a split pattern must cut
+# it into non-empty pieces that, joined, give it back, or BPE loses (or chokes on) text.
+_PATTERN_PROBE = "Hello, world! It's 2024:\n\tcafé  中文 🙂?! x\n"
+_BYTE_RANKS = {bytes([b]): b for b in range(256)}
+
+
+def _compile_pattern(pat_str: object) -> regex.Pattern[str]:
+    """The pre-tokenisation regex ``pat_str``, compiled, after checking that both regex
+    engines (Python's `regex` and tiktoken's) accept it and that it splits text into
+    non-empty pieces that cover it."""
+    if not isinstance(pat_str, str):
+        raise TypeError(f"pat_str must be a regular expression (a str), got "
+                        f"{type(pat_str).__name__}")
+    try:
+        pattern = regex.compile(pat_str)
+    except regex.error as err:
+        raise ValueError(f"pat_str {pat_str!r} is not a valid regular expression: "
+                         f"{err}") from None
+    try:
+        tiktoken.Encoding(name="pattern-check", pat_str=pat_str,
+                          mergeable_ranks=_BYTE_RANKS, special_tokens={})
+    except ValueError as err:
+        raise ValueError(f"pat_str {pat_str!r} is a regular expression that tiktoken's "
+                         f"engine cannot compile: {err}") from None
+    pieces = [m.group() for m in pattern.finditer(_PATTERN_PROBE)]
+    if "" in pieces:
+        raise ValueError(f"pat_str {pat_str!r} matches the empty string; every piece it "
+                         "splits text into must hold at least one character")
+    if "".join(pieces) != _PATTERN_PROBE:
+        raise ValueError(f"pat_str {pat_str!r} does not cover the text it splits: of "
+                         f"{_PATTERN_PROBE!r} it keeps only {''.join(pieces)!r}, and BPE "
+                         "would drop the rest")
+    return pattern
+
+
 # ------------------------------------------------------------------------- characters
 
 class CharTokenizer:
@@ -211,7 +246,7 @@ class BPETokenizer:
         self._special = {s: len(ranks) + k for k, s in enumerate(names)}
         self._merges = [(bytes(a), bytes(b)) for a, b in merges]
         self._pair_ids = pair_ids
-        self._pattern = regex.compile(pat_str)
+        self._pattern = _compile_pattern(pat_str)
         self.pat_str = pat_str
         self._name = name or f"minigpt-bpe-{len(ranks) + len(names)}"
         self.encoding = tiktoken.Encoding(name=self._name, pat_str=pat_str,
@@ -447,13 +482,22 @@ def get_tokenizer(kind: str, text: str | None = None, *,
 
 
 def tokenizer_from_dict(d: dict[str, Any]) -> Tokenizer:
-    """Rebuild a tokenizer from its `to_dict()` (e.g. stored in a checkpoint)."""
+    """Rebuild a tokenizer from its `to_dict()` (e.g. stored in a checkpoint).
+
+    Raises ValueError, with the reason, for anything `to_dict()` cannot have written.
+    """
     kind = d.get("kind") if isinstance(d, dict) else None
-    if kind == "char":
-        return CharTokenizer(d["chars"], d["special_tokens"])
-    if kind == "bpe":
-        merges = [(bytes.fromhex(a), bytes.fromhex(b)) for a, b in d["merges"]]
-        return BPETokenizer(merges, d["special_tokens"], pat_str=d["pat_str"], name=d["name"])
+    try:
+        if kind == "char":
+            return CharTokenizer(d["chars"], d["special_tokens"])
+        if kind == "bpe":
+            merges = [(bytes.fromhex(a), bytes.fromhex(b)) for a, b in d["merges"]]
+            return BPETokenizer(merges, d["special_tokens"], pat_str=d["pat_str"],
+                                name=d["name"])
+    except KeyError as err:
+        raise ValueError(f"the {kind} tokenizer's description lacks the entry {err}") from None
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"the {kind} tokenizer's description is invalid: {err}") from None
     if kind == "gpt2":
         return GPT2Tokenizer()
     raise ValueError(f"not a tokenizer description: 'kind' must be one of {', '.join(KINDS)}, "

@@ -1,4 +1,4 @@
-"""Training a GPT: optimiser groups, learning-rate schedule, the loop, checkpoints, a CLI.
+"""Training a GPT: optimiser groups, learning-rate schedule, the loop, checkpoints.
 
 The loop is nanoGPT's in substance: AdamW with weight decay on the matrices only, a
 linear warm-up then a cosine decay to a floor, gradient clipping, optional gradient
@@ -10,19 +10,14 @@ moments, the configurations, the tokenizer and the random-number generators).
     result.model, result.history.val_loss
 
 `python -m minigpt train --text input.txt --tokenizer char --out runs/char` does the same
-from the command line and writes `metrics.json` and `checkpoint.pt` into `--out`.
+from the command line (`minigpt.cli`) and writes `metrics.json` and `checkpoint.pt` into
+`--out`.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import os
-import signal
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -33,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm  # plain text bar: works in a terminal and a notebook alike
@@ -44,16 +39,10 @@ from minigpt.data import get_batch
 from minigpt.model import GPT
 from minigpt.parallel import (
     DistContext,
-    DistributedError,
     barrier,
-    check_port,
-    choose_backend,
-    free_port,
     gather,
-    init_distributed,
     mean_over_ranks,
     rank_batch,
-    shutdown,
     wrap_model,
 )
 from minigpt.tokenizer import Tokenizer, tokenizer_from_dict
@@ -565,323 +554,3 @@ def _metrics(history: History, config: TrainConfig, model: GPT, total_seconds: f
         "world_size": ctx.world_size,
         "effective_batch_size": effective,
     }
-
-
-# ---------------------------------------------------------------------------- the CLI
-
-# Flags that shape the model (-> GPTConfig) and the run (-> TrainConfig); each flag is the
-# field's name with dashes, so an error about a field names the flag to fix.
-_MODEL_FLAGS = ("n_layers", "n_heads", "d_model", "d_ff", "context_length", "dropout", "bias",
-                "activation")
-_TRAIN_FLAGS = tuple(TrainConfig.model_fields)
-_RESUMABLE = {"max_steps", "stop_at", "no_progress", "threads", "out", "resume", "device",
-              "backend", "nproc_per_node", "master_port"}
-_LAUNCHER_FLAGS = ("--nproc-per-node", "--master-port")
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _parser() -> argparse.ArgumentParser:
-    preset = GPTConfig.shakespeare_cpu(vocab_size=65)
-    d = TrainConfig()
-    p = argparse.ArgumentParser(
-        prog="python -m minigpt train",
-        description="Train a GPT on a text file. The defaults are nanoGPT's CPU recipe for "
-                    "character-level Shakespeare.",
-        argument_default=argparse.SUPPRESS,  # only the flags given appear in the namespace
-        allow_abbrev=False,  # the launcher removes its own flags by their full names
-    )
-    data = p.add_argument_group("data")
-    data.add_argument("--text", metavar="PATH",
-                      help="UTF-8 text to train on (default: the package's Shakespeare corpus)")
-    data.add_argument("--tokenizer", choices=("char", "bpe", "gpt2"),
-                      help="char (default), bpe (trained on the training split) or gpt2")
-    data.add_argument("--bpe-vocab-size", type=int, metavar="V",
-                      help="vocabulary size of the bpe tokenizer (default 512)")
-    m = p.add_argument_group("model (default: GPTConfig.shakespeare_cpu)")
-    for name, typ in (("n_layers", int), ("n_heads", int), ("d_model", int),
-                      ("context_length", int), ("dropout", float)):
-        m.add_argument(_flag(name), type=typ, help=f"default {getattr(preset, name)}")
-    m.add_argument("--d-ff", type=int, help="feed-forward width (default 4 * d_model)")
-    m.add_argument("--bias", action=argparse.BooleanOptionalAction,
-                   help="biases in linear layers and layer norms (default: --bias)")
-    m.add_argument("--activation", choices=("gelu", "gelu_tanh"),
-                   help="exact GELU (default) or GPT-2's tanh approximation")
-    o = p.add_argument_group("optimisation (default: TrainConfig)")
-    for name in _TRAIN_FLAGS:
-        if name in ("bf16", "device"):
-            continue
-        kind = TrainConfig.model_fields[name].annotation
-        typ = float if kind in (float, "float") else int
-        o.add_argument(_flag(name), type=typ, help=f"default {getattr(d, name)}"
-                       + (" (= max steps)" if name == "decay_steps" else ""))
-    o.add_argument("--bf16", action=argparse.BooleanOptionalAction,
-                   help="bf16 autocast for forward passes (default: off)")
-    o.add_argument("--device", help="cpu (default), cuda, cuda:1, ...")
-    r = p.add_argument_group("run")
-    r.add_argument("--out", required=True, metavar="DIR",
-                   help="output directory: checkpoint.pt, metrics.json, history.json, id files")
-    r.add_argument("--resume", action="store_true",
-                   help="continue the run saved in --out (only --max-steps may change)")
-    r.add_argument("--stop-at", type=int, metavar="STEP",
-                   help="stop (and checkpoint) after STEP steps; --resume continues")
-    r.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
-    r.add_argument("--no-progress", action="store_true", help="no progress bar")
-    d_ = p.add_argument_group(
-        "several processes (data parallel; or launch with torchrun --nproc-per-node=N)")
-    d_.add_argument("--nproc-per-node", type=int, metavar="N",
-                    help="start N training processes on this machine (one per GPU; a few on "
-                         "a CPU); each reads --batch-size sequences per micro-batch")
-    d_.add_argument("--master-port", type=int, metavar="PORT",
-                    help="TCP port on 127.0.0.1 for the processes to meet (default: a free one)")
-    d_.add_argument("--backend", choices=("gloo", "nccl"),
-                    help="communication backend (default: nccl on CUDA, gloo on CPU)")
-    d_.add_argument("--global-batch-size", type=int, metavar="N",
-                    help="sequences per optimiser step over all processes; sets --grad-accum "
-                         "to N / (batch size x processes), which must be a whole number")
-    return p
-
-
-def _explain(err: ValidationError) -> str:
-    parts = []
-    for e in err.errors():
-        where = ".".join(str(x) for x in e["loc"])
-        msg = str(e["msg"]).removeprefix("Value error, ")
-        parts.append(f"{_flag(where)}: {msg}" if where else msg)
-    return "; ".join(parts)
-
-
-def _write_json(path: Path, data: Any) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
-def _run(args: dict[str, Any]) -> int:
-    # Imported here: data reads the corpus, which the other commands do not need.
-    from minigpt.data import load_ids, prepare_dataset
-
-    if "threads" in args:
-        if args["threads"] < 1:
-            raise ValueError(f"--threads must be >= 1, got {args['threads']}")
-        torch.set_num_threads(args["threads"])
-    out = Path(args["out"])
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} exists and is not a directory")
-    if args.get("resume"):
-        model_config, config, tokenizer, text, text_source = _resumed_settings(args, out)
-    else:
-        model_config, config, tokenizer, text, text_source = _new_settings(args)
-    ctx = init_distributed(config.device, args.get("backend"))
-    try:
-        config = _split_global_batch(args, config, ctx)
-        if text is not None and tokenizer is not None and ctx.is_main:
-            out.mkdir(parents=True, exist_ok=True)
-            prepare_dataset(text, tokenizer, out)
-        barrier(ctx)  # the id files exist before any rank reads them
-        for name in ("train.bin", "val.bin"):
-            if not (out / name).is_file():
-                raise FileNotFoundError(f"{out / name} is missing; cannot resume without it")
-        train_ids, val_ids = load_ids(out / "train.bin"), load_ids(out / "val.bin")
-        result = train(model_config, config, train_ids, val_ids, tokenizer=tokenizer,
-                       out_dir=out, resume=bool(args.get("resume")),
-                       stop_at=args.get("stop_at"), progress=not args.get("no_progress"),
-                       log=tqdm.write if ctx.is_main else None, ctx=ctx)
-        if ctx.is_main:
-            _report(result, config, out, val_ids, tokenizer, text_source, train_ids)
-    finally:
-        shutdown(ctx)
-    return 0
-
-
-def _new_settings(args: dict[str, Any]) -> tuple[GPTConfig, TrainConfig, Tokenizer, str, str]:
-    from minigpt.data import shakespeare_text, split_text
-    from minigpt.tokenizer import get_tokenizer
-
-    kind = args.get("tokenizer", "char")
-    if "bpe_vocab_size" in args and kind != "bpe":
-        raise ValueError("--bpe-vocab-size applies only with --tokenizer bpe")
-    if "global_batch_size" in args and "grad_accum" in args:
-        raise ValueError("give --global-batch-size or --grad-accum, not both: the global "
-                         "batch size sets the accumulation steps")
-    config = TrainConfig(**{k: args[k] for k in _TRAIN_FLAGS if k in args})
-    if "text" in args:
-        path = Path(args["text"])
-        if not path.is_file():
-            raise FileNotFoundError(f"--text {path}: no such file")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as err:
-            raise ValueError(f"--text {path} is not UTF-8 text ({err.reason} at byte "
-                             f"{err.start})") from None
-        text_source = str(path)
-    else:
-        text, text_source = shakespeare_text(), "minigpt.data.shakespeare_text()"
-    if not text:
-        raise ValueError("the text is empty")
-    if kind == "bpe":
-        # BPE is trained on the training split only: validation text stays unseen.
-        tokenizer = get_tokenizer("bpe", split_text(text)[0],
-                                  vocab_size=args.get("bpe_vocab_size"))
-    else:
-        tokenizer = get_tokenizer(kind, text)
-    model_args = {k: args[k] for k in _MODEL_FLAGS if k in args}
-    model_config = GPTConfig.shakespeare_cpu(tokenizer.vocab_size, **model_args)
-    return model_config, config, tokenizer, text, text_source
-
-
-def _resumed_settings(args: dict[str, Any], out: Path,
-                      ) -> tuple[GPTConfig, TrainConfig, Tokenizer | None, None, None]:
-    extra = sorted(_flag(k) for k in args if k not in _RESUMABLE)
-    if extra:
-        raise ValueError(f"--resume continues the run saved in --out with its own settings; "
-                         f"drop {', '.join(extra)} (only --max-steps and --device may change)")
-    ckpt = load_checkpoint(out)
-    # The device may change (a run saved on a GPU machine continues on a CPU, or back).
-    saved = ckpt["train_config"] | {k: args[k] for k in ("max_steps", "device") if k in args}
-    if "device" not in args and saved["device"] != "cpu" and not torch.cuda.is_available():
-        raise ValueError(f"the run in {out} was trained on {saved['device']!r}, which this "
-                         "machine lacks; add --device cpu to continue it here")
-    model_config, config = GPTConfig(**ckpt["model_config"]), TrainConfig(**saved)
-    tokenizer = tokenizer_from_dict(ckpt["tokenizer"]) if ckpt["tokenizer"] else None
-    return model_config, config, tokenizer, None, None
-
-
-def _split_global_batch(args: dict[str, Any], config: TrainConfig,
-                        ctx: DistContext) -> TrainConfig:
-    """The config with grad_accum set from --global-batch-size, if given."""
-    if "global_batch_size" not in args:
-        return config
-    total, per = args["global_batch_size"], config.batch_size * ctx.world_size
-    if total < 1 or total % per:
-        raise ValueError(f"--global-batch-size {total} does not split into micro-batches of "
-                         f"--batch-size {config.batch_size} x {ctx.world_size} process(es): "
-                         f"it must be a positive multiple of {per}")
-    return config.model_copy(update={"grad_accum": total // per})
-
-
-def _report(result: TrainResult, config: TrainConfig, out: Path, val_ids: np.ndarray,
-            tokenizer: Tokenizer | None, text_source: str | None,
-            train_ids: np.ndarray) -> None:
-    """Write metrics.json and history.json into ``out`` and print a one-line summary."""
-    model = result.model
-    metrics = result.metrics | {
-        "final_val_loss_full": full_loss(model, val_ids, bf16=config.bf16),
-        "model_config": model.config.model_dump(),
-        "train_config": config.model_dump(),
-        "tokenizer": None if tokenizer is None else tokenizer.name,
-        "vocab_size": model.config.vocab_size,
-        "text": text_source,
-        "train_tokens": len(train_ids),
-        "val_tokens": len(val_ids),
-    }
-    _write_json(out / METRICS_NAME, metrics)
-    _write_json(out / "history.json", asdict(result.history))
-    ms = metrics["median_step_ms"]
-    speed = (f"median {ms:.1f} ms/step, {metrics['tokens_per_second']:,.0f} tokens/s"
-             if ms is not None else "no steps run")
-    val = metrics["final_val_loss"]
-    print(f"step {metrics['steps']}: val loss {val:.4f} (whole split: "
-          f"{metrics['final_val_loss_full']:.4f}); " if val is not None else "", end="")
-    print(f"{speed}; wrote {out / CHECKPOINT_NAME} and {out / METRICS_NAME}")
-
-
-def _launch(args: dict[str, Any], argv: Sequence[str]) -> int:
-    """Start --nproc-per-node copies of this command on this machine, as torchrun does:
-    each with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in its
-    environment. Settings that cannot work are refused before any process starts."""
-    n = args["nproc_per_node"]
-    if n < 1:
-        raise ValueError(f"--nproc-per-node must be >= 1, got {n}")
-    device = torch.device(args.get("device", "cpu"))
-    choose_backend(device, args.get("backend"))
-    if device.type == "cuda" and n > torch.cuda.device_count():
-        raise ValueError(f"--nproc-per-node {n} but this machine has "
-                         f"{torch.cuda.device_count()} GPU(s): one process per GPU")
-    if args.get("resume"):
-        saved = load_checkpoint(Path(args["out"]))["world_size"]
-        if saved != n:
-            raise ValueError(f"the run in {args['out']} was trained by {saved} process(es); "
-                             f"resume it with --nproc-per-node {saved}")
-    elif "global_batch_size" in args:
-        per = args.get("batch_size", TrainConfig().batch_size) * n
-        if args["global_batch_size"] < 1 or args["global_batch_size"] % per:
-            raise ValueError(f"--global-batch-size {args['global_batch_size']} does not split "
-                             f"into micro-batches of --batch-size {per // n} x {n} processes: "
-                             f"it must be a positive multiple of {per}")
-    if "master_port" in args:
-        check_port(args["master_port"])
-    port = args.get("master_port") or free_port()
-    rest = _without_launcher_flags(argv)
-    procs = []
-    for rank in range(n):
-        env = os.environ | {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(n),
-                            "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
-                            "MASTER_PORT": str(port)}
-        # Like torchrun: the processes share the cores instead of each taking all of them.
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
-        procs.append(subprocess.Popen([sys.executable, "-m", "minigpt", "train", *rest],
-                                      env=env))
-    return _wait_all(procs)
-
-
-def _without_launcher_flags(argv: Sequence[str]) -> list[str]:
-    rest, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg in _LAUNCHER_FLAGS:
-            skip = True
-        elif not arg.startswith(tuple(f + "=" for f in _LAUNCHER_FLAGS)):
-            rest.append(arg)
-    return rest
-
-
-def _wait_all(procs: list[subprocess.Popen[bytes]]) -> int:
-    """Wait for every process; when one fails, stop the others. Returns the first failure's
-    exit status (0 if all succeed)."""
-    status = 0
-    try:
-        while any(p.poll() is None for p in procs):
-            failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
-            if failed:
-                status = failed[0]
-                for p in procs:
-                    if p.poll() is None:
-                        p.terminate()
-            time.sleep(0.1)
-    except KeyboardInterrupt:
-        for p in procs:
-            p.send_signal(signal.SIGINT)
-        for p in procs:
-            p.wait()
-        return 130
-    codes = [p.returncode for p in procs]
-    return status or next((c for c in codes if c != 0), 0)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m minigpt train ...`: returns the exit status (0 ok, 1 error, 2 usage)."""
-    try:
-        args = vars(_parser().parse_args(argv))
-    except SystemExit as exit_:  # argparse has printed the usage and the error (or --help)
-        return int(exit_.code) if isinstance(exit_.code, int) else 2
-    where = ""
-    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
-        where = f" (rank {os.environ.get('RANK')} of {os.environ.get('WORLD_SIZE')})"
-    try:
-        if "nproc_per_node" in args and "RANK" not in os.environ:
-            return _launch(args, list(sys.argv[2:] if argv is None else argv))
-        return _run(args)
-    except ValidationError as err:
-        print(f"minigpt train: error{where}: {_explain(err)}", file=sys.stderr)
-        return 2
-    except (OSError, ValueError, DistributedError) as err:
-        print(f"minigpt train: error{where}: {err}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"minigpt train: interrupted; resume from the last checkpoint with "
-              f"--out {args['out']} --resume", file=sys.stderr)
-        return 130

@@ -1,7 +1,8 @@
-"""Sampling: the three filters, the generate loop, and every argument it refuses."""
+"""minigpt.decoding: the three filters, the generate loop, and every argument it refuses."""
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import math
 from types import SimpleNamespace
@@ -11,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from minigpt import GPT, GPTConfig
-from minigpt.generate import (
+from minigpt.decoding import (
     apply_temperature,
     beam_search,
     generate,
@@ -51,9 +52,12 @@ class FixedLogits(nn.Module):
 
 def test_package_exports_the_generate_function() -> None:
     import minigpt
-    import minigpt.generate  # noqa: F401  (importing the submodule must not shadow the function)
+    import minigpt.decoding
 
-    assert minigpt.generate is generate
+    # The module has a name of its own, so `minigpt.generate` is always the function.
+    assert minigpt.generate is minigpt.decoding.generate is generate
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("minigpt.generate")
 
 
 def test_apply_temperature_divides_and_does_not_mutate() -> None:
