@@ -1,6 +1,9 @@
 """The book's figures: what they show (ticks, panels, colour limits, labels), what they refuse."""
 
+import io
 import math
+import subprocess
+import sys
 
 import matplotlib
 
@@ -10,6 +13,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 import torch
+from matplotlib.collections import PolyCollection, QuadMesh
 
 from minigpt import viz
 from minigpt.nn import causal_mask, scaled_dot_product_attention, sinusoidal_encoding
@@ -27,7 +31,15 @@ def _weights(batch: int, heads: int, length: int, seed: int = 0) -> torch.Tensor
 
 
 def _panels(fig):
-    return [ax for ax in fig.axes if ax.images]
+    """The heatmap panels: axes holding a seaborn mesh, colour bars left out."""
+    return [ax for ax in fig.axes
+            if ax.get_label() != "<colorbar>" and any(isinstance(c, QuadMesh)
+                                                      for c in ax.collections)]
+
+
+def _mesh(ax):
+    (mesh,) = [c for c in ax.collections if isinstance(c, QuadMesh)]
+    return mesh
 
 
 def _colorbars(fig):
@@ -50,7 +62,7 @@ def test_heatmap_panels_ticks_and_colour_range():
     for ax in panels:
         assert _labels(ax.get_xticklabels()) == shown  # keys across
         assert _labels(ax.get_yticklabels()) == shown  # queries down
-        assert ax.images[0].get_clim() == (0.0, 1.0)
+        assert _mesh(ax).get_clim() == (0.0, 1.0)
         assert ax.get_xlabel().startswith("key") and ax.get_ylabel().startswith("query")
         assert ax.get_title()
     assert fig.get_suptitle() == "Attention weights"
@@ -65,7 +77,7 @@ def test_heatmap_layout_is_batch_rows_by_head_columns():
         for h in range(3):
             ax = panels[b * 3 + h]
             assert ax.get_title() == f"batch {b}, head {h}"
-            np.testing.assert_allclose(ax.images[0].get_array(), w[b, h].double().numpy())
+            np.testing.assert_allclose(_mesh(ax).get_array(), w[b, h].double().numpy())
     rows = {round(ax.get_position().y0, 3) for ax in panels}
     cols = {round(ax.get_position().x0, 3) for ax in panels}
     assert len(rows) == 2 and len(cols) == 3
@@ -96,7 +108,7 @@ def test_heatmap_of_causal_attention_has_an_empty_upper_triangle():
     _, w = scaled_dot_product_attention(q, k, v, causal_mask(5))
     fig = viz.attention_heatmap(w, "hello")
     for ax in _panels(fig):
-        image = np.asarray(ax.images[0].get_array())
+        image = np.asarray(_mesh(ax).get_array())
         assert np.all(np.triu(image, k=1) == 0.0)
 
 
@@ -221,14 +233,17 @@ def test_distance_bar_chart():
     distances = torch.tensor([[0.5, 1.0, 2.0], [3.0, 0.2, 1.5]])
     fig = viz.attention_distance_bars(distances)
     (ax,) = fig.axes
-    heights = [p.get_height() for p in ax.patches]
-    assert sorted(heights) == sorted(distances.flatten().tolist())
+    # One group per layer, one bar (and legend entry) per head, in head order.
+    heights = [[bar.get_height() for bar in bars] for bars in ax.containers]
+    np.testing.assert_allclose(heights, distances.T.numpy())
+    assert _labels(ax.get_legend().get_texts()) == ["head 0", "head 1", "head 2"]
     assert _labels(ax.get_xticklabels()) == ["layer 0", "layer 1"]
     assert ax.get_title() and ax.get_xlabel() == "layer" and "distance" in ax.get_ylabel()
     assert not ax.lines
     fig = viz.attention_distance_bars(distances, reference=2.5)
     (line,) = fig.axes[0].lines
     assert list(line.get_ydata()) == [2.5, 2.5]
+    assert _labels(fig.axes[0].get_legend().get_texts())[-1] == "uniform attention"
     with pytest.raises(ValueError, match="non-negative"):
         viz.attention_distance_bars(torch.tensor([-1.0, 1.0]))
 
@@ -239,11 +254,15 @@ def test_positional_heatmap_is_positions_across_and_diverging_at_zero():
     encoding = sinusoidal_encoding(96, 48)
     fig = viz.positional_heatmap(encoding, title="Sinusoids")
     ax = _panels(fig)[0]
-    image = np.asarray(ax.images[0].get_array())
+    image = np.asarray(_mesh(ax).get_array())
     assert image.shape == (48, 96)  # dimensions down, positions across
-    low, high = ax.images[0].get_clim()
+    low, high = _mesh(ax).get_clim()
     assert low == -high and high == pytest.approx(1.0, abs=1e-6)
-    assert ax.images[0].get_cmap().name == viz.DIVERGING_CMAP
+    assert _mesh(ax).get_cmap().name == viz.DIVERGING_CMAP
+    assert len(_colorbars(fig)) == 1
+    # Round indices at cell centres: cell k spans [k, k + 1).
+    assert _labels(ax.get_xticklabels()) == ["0", "20", "40", "60", "80"]
+    assert list(ax.get_xticks()) == [0.5, 20.5, 40.5, 60.5, 80.5]
     assert ax.get_title() == "Sinusoids" and ax.get_xlabel() == "position p"
     assert ax.get_ylabel() == "dimension"
     with pytest.raises(ValueError, match=r"\(T, D\)"):
@@ -296,7 +315,7 @@ def test_similarity_heatmap_side_by_side_with_shared_symmetric_limits():
     assert [ax.get_title() for ax in panels] == ["sinusoidal", "random"]
     assert len(_colorbars(fig)) == 1
     for ax in panels:
-        assert ax.images[0].get_clim() == (-1.0, 1.0)  # both have 1 on the diagonal
+        assert _mesh(ax).get_clim() == (-1.0, 1.0)  # both have 1 on the diagonal
         assert ax.get_xlabel() == "position" and ax.get_ylabel() == "position"
     assert fig.get_suptitle() == "Both"
     with pytest.raises(ValueError, match="square"):
@@ -320,11 +339,27 @@ def test_line_plot_and_histogram():
     with pytest.raises(ValueError, match="not series labels"):
         viz.line_plot([0, 1], {"a": [1, 2]}, title="t", xlabel="x", ylabel="y",
                       styles={"c": {}})
-    fig = viz.histogram_plot({"D=4": np.linspace(-1, 1, 50)}, title="h", xlabel="cos")
+
+
+
+def _area(polygon):
+    x, y = polygon.get_paths()[0].vertices.T  # shoelace formula
+    return abs(np.dot(x, np.roll(y, 1)) - np.dot(y, np.roll(x, 1))) / 2
+
+
+def test_histogram_plot_draws_each_sample_as_its_own_density():
+    samples = {"wide": np.linspace(-1, 1, 400), "narrow": np.linspace(-0.1, 0.1, 50)}
+    fig = viz.histogram_plot(samples, title="h", xlabel="cos", bins=20,
+                             value_range=(-1, 1))
     (ax,) = fig.axes
-    assert ax.get_ylabel() == "density" and ax.get_xlabel() == "cos" and ax.patches
+    assert ax.get_ylabel() == "density" and ax.get_xlabel() == "cos"
+    assert _labels(ax.get_legend().get_texts()) == ["wide", "narrow"]
+    areas = [_area(c) for c in ax.collections if isinstance(c, PolyCollection)]
+    assert areas == pytest.approx([1.0, 1.0])  # each integrates to 1, not to its share
     with pytest.raises(ValueError, match="empty"):
         viz.histogram_plot({}, title="h", xlabel="cos")
+    with pytest.raises(ValueError, match="samples 'x' is empty"):
+        viz.histogram_plot({"x": []}, title="h", xlabel="cos")
 
 
 def test_line_plot_log_scale_and_training_curves():
@@ -384,3 +419,74 @@ def test_distribution_bars_share_one_token_order():
         viz.distribution_bars({"bad": [0.5, 0.6, 0.1]}, ["a", "b", "c"], title="t")
     with pytest.raises(ValueError, match="has 2 entries, tokens 3"):
         viz.distribution_bars({"p": [0.5, 0.5]}, ["a", "b", "c"], title="t")
+
+
+# ------------------------------------------------------------ seaborn: annotations, bands
+
+def test_heatmap_annotations_write_each_weight():
+    w = _weights(1, 2, 3)
+    fig = viz.attention_heatmap(w, "abc", annotate=True)
+    for h, ax in enumerate(_panels(fig)):
+        written = [float(t.get_text()) for t in ax.texts]
+        np.testing.assert_allclose(written, w[0, h].flatten().numpy(), atol=0.005)
+    assert not any(ax.texts for ax in _panels(viz.attention_heatmap(w, "abc")))
+
+
+def test_line_plot_draws_runs_as_their_mean_with_a_band():
+    runs = np.array([[1.0, 2.0, 3.0], [3.0, 4.0, 7.0]])  # two seeds
+    fig = viz.line_plot([0, 1, 2], {"seeds": runs, "single": [1.0, 1.0, 1.0]}, title="t",
+                        xlabel="x", ylabel="y", errorbar="sd")
+    (ax,) = fig.axes
+    mean, single = ax.lines
+    np.testing.assert_allclose(mean.get_ydata(), [2.0, 3.0, 5.0])
+    assert mean.get_markeredgecolor() == mean.get_color()  # not seaborn's white edge
+    (band,) = [c for c in ax.collections if isinstance(c, PolyCollection)]
+    _, y = band.get_paths()[0].vertices.T
+    sd = runs.std(axis=0, ddof=1)
+    assert y.min() == pytest.approx((runs.mean(0) - sd).min())
+    assert y.max() == pytest.approx((runs.mean(0) + sd).max())
+    assert _labels(ax.get_legend().get_texts()) == ["seeds", "single"]
+    with pytest.raises(ValueError, match=r"\(S, N\)"):
+        viz.line_plot([0, 1], {"a": np.ones((2, 2, 2))}, title="t", xlabel="x", ylabel="y")
+
+
+def _png(fig) -> bytes:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", metadata={"Software": None})
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def test_figures_render_the_same_every_time():
+    runs = np.random.default_rng(0).normal(size=(5, 30))
+    def seeds():  # noqa: E306
+        return viz.line_plot(np.arange(30), {"runs": runs}, title="t", xlabel="x",
+                             ylabel="y")  # bootstrap confidence band
+    assert _png(seeds()) == _png(seeds())
+    w = _weights(2, 2, 6)
+    assert _png(viz.attention_heatmap(w, "abcdef", annotate=True)) == _png(
+        viz.attention_heatmap(w, "abcdef", annotate=True))
+
+
+def test_seaborn_leaves_matplotlib_style_alone():
+    # seaborn's theme is never set: importing viz and drawing every kind of figure
+    # changes no rcParams, so figures that do not use seaborn keep matplotlib's look.
+    script = """
+import matplotlib
+matplotlib.use("Agg")
+before = dict(matplotlib.rcParams)
+import numpy as np, torch
+from minigpt import viz
+w = torch.softmax(torch.randn(1, 2, 4, 4), -1)
+viz.attention_heatmap(w, "abcd", annotate=True)
+viz.similarity_heatmap(torch.eye(3))
+viz.positional_heatmap(torch.randn(5, 4))
+viz.line_plot([0, 1], {"a": np.ones((3, 2))}, title="t", xlabel="x", ylabel="y")
+viz.histogram_plot({"a": [0.0, 1.0]}, title="t", xlabel="x")
+viz.attention_distance_bars(torch.ones(2, 2))
+changed = sorted(k for k, v in matplotlib.rcParams.items() if before[k] != v)
+print(changed)
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            check=True)
+    assert result.stdout.strip() == "[]"
