@@ -5,8 +5,12 @@ Headless Chromium (Debian's `chromium` and `chromedriver`, installed by
 127.0.0.1, and the tests check what a reader would see: math typeset by the
 project's own MathJax (no raw TeX left), proof boxes, citation links that lead
 to bibliography entries, images that load, a console without errors, and no
-request to any other host. A static scan checks that no built page or style
-sheet refers to another host for scripts, styles or fonts.
+request to any other host, and axe-core (from npm, like MathJax) finds no critical
+accessibility violation and no serious one in the book's own content. A static
+scan checks that no built page or style sheet refers to another host for scripts,
+styles or fonts, and that every page's download menu offers the page's source and
+the whole book's PDF. One more build, with a placeholder repository URL and
+execution off, checks the buttons that `repository.url` turns on.
 
 The site is not built here: `make test` builds it first. A missing build is a
 failure, not a skip.
@@ -20,6 +24,8 @@ import http.server
 import os
 import re
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -30,6 +36,7 @@ from typing import Any
 from urllib.parse import urldefrag, urljoin, urlsplit
 
 import pytest
+import yaml
 from helpers import load_baseline_tool
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +46,13 @@ BOOK_ROOT = Path(os.environ.get("MINIGPT_BOOK_ROOT", ROOT)).resolve()
 SITE = BOOK_ROOT / "_build" / "html"
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
+# axe-core, from npm (package.json), injected into every page by the browser test.
+AXE = ROOT / "node_modules" / "axe-core" / "axe.min.js"
+# The whole book's PDF (`make pdf`), which the site's download menu offers.
+PDF_NAME = "minigpt-book.pdf"
 PAGE_TIMEOUT = 60  # seconds for a page, its images and MathJax
+# A common laptop window: no code or output block may scroll sideways at this width.
+WINDOW_WIDTH = 1400
 
 # Raw TeX delimiters that must not survive typesetting in the visible text.
 RAW_TEX = ("\\(", "\\)", "\\[", "\\]", "$$", "\\begin{")
@@ -205,6 +218,129 @@ def test_output_blocks_are_found() -> None:
 
 
 # --------------------------------------------------------------------------
+# The header's buttons: the download menu, and what repository.url turns on.
+# --------------------------------------------------------------------------
+
+
+class _HeaderButtons(HTMLParser):
+    """The theme's header buttons of a page: {tooltip: href}."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.buttons: dict[str, str] = {}
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = {k: v or "" for k, v in attrs}
+        if tag == "a" and "btn" in a.get("class", "").split() and a.get("title"):
+            self.buttons[a["title"]] = a.get("href", "")
+
+
+def header_buttons(page_html: str) -> dict[str, str]:
+    parser = _HeaderButtons()
+    parser.feed(page_html)
+    return parser.buttons
+
+
+def _config() -> dict[str, Any]:
+    config: dict[str, Any] = yaml.safe_load((BOOK_ROOT / "_config.yml").read_text("utf-8"))
+    return config
+
+
+@pytest.mark.parametrize("entry", PAGES)
+def test_download_menu_offers_the_source_and_the_book_pdf(entry: str) -> None:
+    _require_site()
+    page = SITE / f"{entry}.html"
+    buttons = header_buttons(page.read_text(encoding="utf-8"))
+    source = buttons.get("Download source file")
+    assert source, f"{entry}: the download menu offers no source file: {buttons}"
+    assert (page.parent / source).resolve() == (SITE / "_sources" / entry).with_suffix(
+        Path(source).suffix).resolve()
+    assert (page.parent / source).is_file(), f"{entry}: {source} is not in the site"
+    book = buttons.get("Download the whole book as one PDF")
+    assert book, f"{entry}: the download menu does not offer the book's PDF: {buttons}"
+    assert (page.parent / book).resolve() == (SITE / PDF_NAME).resolve()
+    assert (SITE / PDF_NAME).is_file(), (
+        f"{SITE / PDF_NAME} is missing: `make pdf` puts it there (make test does)")
+
+
+REPOSITORY_BUTTONS = ("Source repository", "Open an issue", "Suggest edit", "Launch on Binder",
+                      "Launch on Colab")
+
+
+def test_no_repository_or_launch_button_without_a_repository_url() -> None:
+    _require_site()
+    if _config()["repository"].get("url"):
+        pytest.skip("_config.yml sets repository.url: test_repository_url_turns_on_the_"
+                    "buttons checks them")
+    for entry in PAGES:
+        shown = set(header_buttons((SITE / f"{entry}.html").read_text("utf-8")))
+        assert not shown & set(REPOSITORY_BUTTONS), f"{entry}: {shown & set(REPOSITORY_BUTTONS)}"
+
+
+PLACEHOLDER_REPOSITORY = "https://github.com/example-owner/example-fork"
+
+
+@pytest.fixture(scope="module")
+def placeholder_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The root page and one chapter built with a placeholder repository.url, not executed.
+
+    A scratch configuration beside a two-page table of contents; the sources are the
+    book's own. No chapter runs, so this takes seconds.
+    """
+    scratch = tmp_path_factory.mktemp("placeholder-site")
+    config = yaml.safe_load((ROOT / "_config.yml").read_text("utf-8"))
+    config["repository"]["url"] = PLACEHOLDER_REPOSITORY
+    config["execute"]["execute_notebooks"] = "off"
+    # Paths in the configuration are relative to its file: point back at the book's.
+    extensions = config["sphinx"]["local_extensions"]
+    config["sphinx"]["local_extensions"] = {name: str(ROOT / path)
+                                            for name, path in extensions.items()}
+    (scratch / "_config.yml").write_text(yaml.safe_dump(config), encoding="utf-8")
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text("utf-8"))
+    chapter = toc["chapters"][0]["file"]
+    (scratch / "_toc.yml").write_text(yaml.safe_dump(
+        {"format": "jb-book", "root": toc["root"], "chapters": [{"file": chapter}]}), "utf-8")
+    jupyter_book = Path(sys.executable).parent / "jupyter-book"
+    result = subprocess.run(
+        [str(jupyter_book), "build", "--config", str(scratch / "_config.yml"), "--toc",
+         str(scratch / "_toc.yml"), "--path-output", str(scratch), str(ROOT)],
+        capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return scratch / "_build" / "html"
+
+
+def test_repository_url_turns_on_the_buttons(placeholder_site: Path) -> None:
+    config = _config()
+    branch = config["repository"]["branch"]
+    chapter = yaml.safe_load((ROOT / "_toc.yml").read_text("utf-8"))["chapters"][0]["file"]
+    page = placeholder_site / f"{chapter}.html"
+    buttons = header_buttons(page.read_text(encoding="utf-8"))
+    owner_repo = PLACEHOLDER_REPOSITORY.removeprefix("https://github.com/")
+    source = f"{chapter}.md"
+    assert buttons["Source repository"] == PLACEHOLDER_REPOSITORY
+    assert buttons["Open an issue"].startswith(f"{PLACEHOLDER_REPOSITORY}/issues/new?")
+    assert buttons["Suggest edit"] == f"{PLACEHOLDER_REPOSITORY}/edit/{branch}/{source}"
+    # Binder builds the repository and opens the chapter in JupyterLab; Colab opens the
+    # chapter from GitHub.
+    assert buttons["Launch on Binder"] == (
+        f"https://mybinder.org/v2/gh/{owner_repo}/{branch}?urlpath=lab/tree/{source}")
+    assert buttons["Launch on Colab"] == (
+        f"https://colab.research.google.com/github/{owner_repo}/blob/{branch}/{source}")
+    # Still nothing is loaded from another host: the buttons are links.
+    parser = _ResourceRefs()
+    parser.feed(page.read_text(encoding="utf-8"))
+    assert not [url for _, url in parser.refs if _is_external(url)]
+
+
+def test_the_root_page_gets_the_buttons_too(placeholder_site: Path) -> None:
+    root = yaml.safe_load((ROOT / "_toc.yml").read_text("utf-8"))["root"]
+    buttons = header_buttons((placeholder_site / f"{root}.html").read_text("utf-8"))
+    assert buttons["Source repository"] == PLACEHOLDER_REPOSITORY
+    # A page with code cells (a jupytext notebook) can be launched; prose alone cannot.
+    assert ("Launch on Binder" in buttons) == ("kernelspec" in _source(root))
+
+
+# --------------------------------------------------------------------------
 # The browser.
 # --------------------------------------------------------------------------
 
@@ -245,7 +381,7 @@ def driver() -> Iterator[Any]:
     for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
                  "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync",
-                 "--disable-dev-shm-usage", "--window-size=1280,1600",
+                 "--disable-dev-shm-usage", f"--window-size={WINDOW_WIDTH},1600",
                  f"--user-data-dir={profile}"):
         options.add_argument(flag)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
@@ -274,7 +410,9 @@ class _Page:
     broken_images: list[str]
     images: int
     resources: list[str]  # every URL the page loaded
+    scrolling: list[str]  # the widest line of each code/output block that scrolls sideways
     console: list[dict[str, Any]]
+    axe: list[dict[str, Any]]  # axe-core's violations: id, impact, nodes (in the article?)
 
 
 _MATHJAX_DONE = """
@@ -318,8 +456,36 @@ return {
   bib_entries: article.querySelectorAll('div.citation, dl.citation > dt').length,
   images: document.images.length,
   resources: performance.getEntriesByType('resource').map((r) => r.name),
+  scrolling: Array.from(article.querySelectorAll('pre'))
+                  .filter((p) => p.scrollWidth > p.clientWidth)
+                  .map((p) => p.textContent.split('\\n')
+                                .reduce((a, b) => (b.length > a.length ? b : a), '')),
 };
 """
+
+
+# axe-core over the whole page (the theme included), once MathJax is done. Each node of
+# a violation says whether it lies in the article (the book's content) or around it.
+_AXE = """
+const done = arguments[arguments.length - 1];
+axe.run(document, {resultTypes: ['violations']}).then((result) => done(
+  result.violations.map((v) => ({
+    id: v.id, impact: v.impact, help: v.help,
+    nodes: v.nodes.map((n) => {
+      const element = document.querySelector(n.target[0]);
+      return {target: n.target.join(' '), html: n.html.slice(0, 200),
+              article: !!(element && element.closest('article.bd-article'))};
+    }),
+  }))), (error) => done([{id: 'axe-error', impact: 'critical', help: String(error),
+                          nodes: []}]));
+"""
+
+
+@functools.cache
+def _axe_source() -> str:
+    if not AXE.is_file():
+        pytest.fail(f"{AXE} is missing: `make setup` installs it from npm (package.json)")
+    return AXE.read_text(encoding="utf-8")
 
 
 @functools.cache
@@ -329,8 +495,10 @@ def _visit(browser: Any, url: str) -> _Page:
     mathjax = browser.execute_async_script(_MATHJAX_DONE)
     broken = browser.execute_async_script(_IMAGES_DONE)
     seen = browser.execute_script(_INSPECT)
-    return _Page(mathjax=mathjax, broken_images=broken, console=browser.get_log("browser"),
-                 **seen)
+    console = browser.get_log("browser")
+    browser.execute_script(_axe_source())
+    axe = browser.execute_async_script(_AXE)
+    return _Page(mathjax=mathjax, broken_images=broken, console=console, axe=axe, **seen)
 
 
 @pytest.fixture(params=PAGES)
@@ -400,3 +568,65 @@ def test_nothing_loads_from_other_hosts(page: tuple[str, _Page], base_url: str) 
     entry, seen = page
     foreign = [url for url in seen.resources if not url.startswith(base_url)]
     assert not foreign, f"{entry}: requests to other hosts: {foreign}"
+
+
+@pytest.mark.browser
+def test_code_fits_the_column(page: tuple[str, _Page], driver: Any) -> None:
+    entry, seen = page
+    width = driver.execute_script("return window.innerWidth")
+    assert width >= WINDOW_WIDTH - 20, f"the browser window is {width} px wide"
+    assert not seen.scrolling, (
+        f"{entry}: {len(seen.scrolling)} code or output blocks scroll sideways at a "
+        f"{WINDOW_WIDTH}-px window; their widest lines:\n"
+        + "\n".join(f"  ({len(line)} chars) {line[:100]}" for line in seen.scrolling)
+    )
+
+
+# Serious violations that sphinx-book-theme 1.3.0 / pydata-sphinx-theme 0.17.1 leave around
+# the article, each with what would fix it:
+# - label-content-name-mismatch: the search button is labelled "Search" but shows "Search...
+#   Ctrl+K", the colour-mode button is labelled "Color mode" but holds its icons' text;
+#   the theme's templates (search-button-field.html, theme-switcher.html) would have to
+#   name each button by what it shows.
+THEME_SERIOUS = {"label-content-name-mismatch"}
+
+
+def _describe(violations: list[dict[str, Any]]) -> str:
+    return "\n".join(f"  {v['id']} ({v['impact']}): {v['help']}\n" + "\n".join(
+        f"    {n['target']}: {n['html'][:120]}" for n in v["nodes"][:5]) for v in violations)
+
+
+@pytest.mark.browser
+def test_no_critical_accessibility_violation(page: tuple[str, _Page]) -> None:
+    entry, seen = page
+    critical = [v for v in seen.axe if v["impact"] == "critical"]
+    assert not critical, f"{entry}: axe-core finds critical violations:\n" + _describe(critical)
+
+
+@pytest.mark.browser
+def test_no_serious_accessibility_violation_in_the_content(page: tuple[str, _Page]) -> None:
+    entry, seen = page
+    ours = [{**v, "nodes": [n for n in v["nodes"] if n["article"]]} for v in seen.axe
+            if v["impact"] == "serious" and any(n["article"] for n in v["nodes"])]
+    assert not ours, f"{entry}: axe-core finds serious violations in the article:\n" + (
+        _describe(ours))
+
+
+@pytest.mark.browser
+def test_the_theme_leaves_only_known_serious_violations(page: tuple[str, _Page]) -> None:
+    entry, seen = page
+    other = [v for v in seen.axe if v["impact"] == "serious" and v["id"] not in THEME_SERIOUS]
+    assert not other, f"{entry}: serious violations around the article:\n" + _describe(other)
+
+
+@pytest.mark.browser
+def test_axe_finds_what_it_should(driver: Any) -> None:
+    # A check that cannot fail checks nothing: an image without a text alternative and a
+    # list without list items must be reported.
+    driver.get("about:blank")
+    driver.execute_script(
+        "document.body.innerHTML = '<main><img src=\"x.png\"><div role=\"list\"><a '"
+        " + 'href=\"#\">x</a></div></main>';")
+    driver.execute_script(_axe_source())
+    found = {v["id"]: v["impact"] for v in driver.execute_async_script(_AXE)}
+    assert found.get("image-alt") == "critical" and "aria-required-children" in found, found

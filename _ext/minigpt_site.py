@@ -1,0 +1,98 @@
+"""The book's own additions to Jupyter Book's site (a Sphinx extension).
+
+1. One setting for a fork: `repository.url` in `_config.yml`. Left empty, the
+   pages show no repository, issue, edit or launch button and refer to no other
+   host. Set to a GitHub repository, the pages get the repository, issue and
+   edit buttons, and each chapter gets launch buttons for Binder (JupyterLab)
+   and Colab, all derived here from that URL and `repository.branch`.
+2. The download menu of every page offers the whole book as one PDF (`make pdf`
+   writes it and puts a copy at the root of the site, PDF_NAME) next to the
+   chapter's own source.
+3. A print style sheet (static/minigpt-print.css): the side bars and buttons
+   stay off paper, code wraps instead of being cut, solutions print open.
+4. Accessibility fixes for what axe-core finds in the markup our tools write
+   (static/minigpt-a11y.css and fix_markup below; tests/test_site.py runs axe).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from sphinx.application import Sphinx
+from sphinx.config import Config
+
+PDF_NAME = "minigpt-book.pdf"
+BINDERHUB_URL = "https://mybinder.org"
+COLAB_URL = "https://colab.research.google.com"
+REPOSITORY_BUTTONS = ("use_repository_button", "use_issues_button", "use_edit_page_button")
+STATIC = Path(__file__).resolve().parent / "static"
+
+
+def derive_buttons(app: Sphinx, config: Config) -> None:
+    """Turn the repository URL (or its absence) into the theme's button options."""
+    options: dict[str, Any] = dict(config.html_theme_options)
+    url = str(options.get("repository_url") or "").strip().rstrip("/")
+    launch = dict(options.get("launch_buttons") or {})
+    if url:
+        if not url.startswith("https://github.com/") or url.count("/") != 4:
+            raise ValueError("repository.url in _config.yml must be a GitHub repository, "
+                             f"https://github.com/OWNER/NAME (got {url!r})")
+        options["repository_url"] = url
+        options.update(dict.fromkeys(REPOSITORY_BUTTONS, True))
+        launch.update(notebook_interface="jupyterlab", binderhub_url=BINDERHUB_URL,
+                      colab_url=COLAB_URL)
+    else:
+        options.update(dict.fromkeys(REPOSITORY_BUTTONS, False))
+        launch.update(binderhub_url="", colab_url="", jupyterhub_url="", thebe=False)
+    options["launch_buttons"] = launch
+    config.html_theme_options = options
+
+
+def add_static_files(app: Sphinx, config: Config) -> None:
+    config.html_static_path = [*config.html_static_path, str(STATIC)]
+    app.add_css_file("minigpt-a11y.css")
+    app.add_css_file("minigpt-print.css", media="print")
+
+
+# myst-nb labels the summary of a folded cell "Toggle hidden content" while it shows
+# "Show code cell source": a name that differs from the visible label (WCAG 2.5.3).
+# Without the label the summary is named by what it shows.
+_TOGGLE_LABEL = re.compile(r'(<summary)\s+aria-label="Toggle hidden content"')
+# docutils gives each bibliography entry the role doc-biblioentry, deprecated in ARIA
+# and not allowed inside the role=list it also writes, which then has no list items.
+_BIBLIOENTRY = re.compile(r'(<div class="citation"[^>]*?)\srole="doc-biblioentry"')
+
+
+def fix_markup(app: Sphinx, pagename: str, templatename: str,
+               context: dict[str, Any], doctree: Any) -> None:
+    body = context.get("body")
+    if isinstance(body, str):
+        body = _TOGGLE_LABEL.sub(r"\1", body)
+        context["body"] = _BIBLIOENTRY.sub(r'\1 role="listitem"', body)
+
+
+def offer_the_book_pdf(app: Sphinx, pagename: str, templatename: str,
+                       context: dict[str, Any], doctree: Any) -> None:
+    """Add the whole book's PDF to the page's download menu (after the theme built it)."""
+    for button in context.get("header_buttons", []):
+        if button.get("label") == "download-buttons":
+            button["buttons"].append({
+                "type": "link",
+                "url": context["pathto"](PDF_NAME, 1),
+                "text": "book (.pdf)",
+                "tooltip": "Download the whole book as one PDF",
+                "icon": "fas fa-book",
+                "label": "download-book-pdf-button",
+            })
+
+
+def setup(app: Sphinx) -> dict[str, Any]:
+    # Before sphinx-book-theme's own config-inited handlers read the options (priority 500).
+    app.connect("config-inited", derive_buttons, priority=400)
+    app.connect("config-inited", add_static_files)
+    # The theme fills the header buttons at priority 501.
+    app.connect("html-page-context", offer_the_book_pdf, priority=600)
+    app.connect("html-page-context", fix_markup)
+    return {"parallel_read_safe": True, "parallel_write_safe": True}
