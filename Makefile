@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 NPM_STAMP := node_modules/.installed
 
-.PHONY: book test unit nbval setup assets book-model system-deps baseline lint clean
+.PHONY: book pdf test unit nbval setup assets book-model system-deps baseline lint clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -49,11 +49,13 @@ book-model: assets
 setup: $(STAMP) $(NPM_STAMP) assets book-model
 
 # Headless Chromium and its driver for the browser test (Debian packages; the
-# test drives /usr/bin/chromium through /usr/bin/chromedriver, nothing is downloaded).
+# test drives /usr/bin/chromium through /usr/bin/chromedriver, nothing is downloaded),
+# and an emoji font, without which the PDF (make pdf) prints the chapters' emoji as blanks.
+EMOJI_FONT := /usr/share/fonts/truetype/noto/NotoColorEmoji.ttf
 system-deps:
-	@if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then \
-		echo "installing Debian's chromium and chromium-driver"; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
+	@if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ] || [ ! -f $(EMOJI_FONT) ]; then \
+		echo "installing Debian's chromium, chromium-driver and fonts-noto-color-emoji"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver fonts-noto-color-emoji >/dev/null; \
 	fi
 
 # Every chapter is executed afresh on every build (no stale outputs when only src/ changed):
@@ -64,10 +66,17 @@ book: setup
 	rm -rf _build/.doctrees _build/html _build/jupyter_execute _build/.jupyter_cache
 	PYTHONHASHSEED=0 $(VENV)/bin/jupyter-book build --all --warningiserror --keep-going --path-output . .
 
+# The whole book as one PDF, _build/pdf/minigpt-book.pdf (tools/make_pdf.py): Sphinx's
+# single-page build, whose chapters come from the execution cache the site's build has just
+# filled (nothing runs twice), printed by headless Chromium once MathJax has typeset it. A
+# copy goes to _build/html/, where every page's download menu links to it.
+pdf: book system-deps
+	$(PY) tools/make_pdf.py
+
 # Every test: the package's (hypothesis searching thoroughly), the chapters' outputs of the
 # build just made compared with the stored ones (tests/test_chapter_outputs.py; each chapter
-# is executed once, by the build), and headless Chromium over the built site.
-test: setup system-deps book
+# is executed once, by the build), headless Chromium over the built site, and the PDF.
+test: setup system-deps book pdf
 	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest
 
 # The quick loop while editing the package: every test that needs no built book (< 1 min).
