@@ -3,8 +3,12 @@
 1. One setting for a fork: `repository.url` in `_config.yml`. Left empty, the
    pages show no repository, issue, edit or launch button and refer to no other
    host. Set to a GitHub repository, the pages get the repository, issue and
-   edit buttons, and each chapter gets launch buttons for Binder (JupyterLab)
-   and Colab, all derived here from that URL and `repository.branch`.
+   edit buttons, and each chapter gets a launch button for Binder (JupyterLab,
+   with the package installed by `postBuild`), all derived here from that URL and
+   `repository.branch`. There is no Colab button: Colab opens only `.ipynb` files
+   from GitHub (the chapters are MyST markdown), and a notebook it opens arrives
+   without the repository, whose URL its first cell would then need in a second
+   place a fork edits.
 2. The download menu of every page offers the whole book as one PDF (`make pdf`
    writes it and puts a copy at the root of the site, PDF_NAME) next to the
    chapter's own source.
@@ -25,7 +29,6 @@ from sphinx.config import Config
 
 PDF_NAME = "minigpt-book.pdf"
 BINDERHUB_URL = "https://mybinder.org"
-COLAB_URL = "https://colab.research.google.com"
 REPOSITORY_BUTTONS = ("use_repository_button", "use_issues_button", "use_edit_page_button")
 STATIC = Path(__file__).resolve().parent / "static"
 
@@ -42,7 +45,7 @@ def derive_buttons(app: Sphinx, config: Config) -> None:
         options["repository_url"] = url
         options.update(dict.fromkeys(REPOSITORY_BUTTONS, True))
         launch.update(notebook_interface="jupyterlab", binderhub_url=BINDERHUB_URL,
-                      colab_url=COLAB_URL)
+                      colab_url="")
     else:
         options.update(dict.fromkeys(REPOSITORY_BUTTONS, False))
         launch.update(binderhub_url="", colab_url="", jupyterhub_url="", thebe=False)

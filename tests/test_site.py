@@ -320,12 +320,11 @@ def test_repository_url_turns_on_the_buttons(placeholder_site: Path) -> None:
     assert buttons["Source repository"] == PLACEHOLDER_REPOSITORY
     assert buttons["Open an issue"].startswith(f"{PLACEHOLDER_REPOSITORY}/issues/new?")
     assert buttons["Suggest edit"] == f"{PLACEHOLDER_REPOSITORY}/edit/{branch}/{source}"
-    # Binder builds the repository and opens the chapter in JupyterLab; Colab opens the
-    # chapter from GitHub.
+    # Binder builds the repository (postBuild installs the package) and opens the chapter
+    # in JupyterLab; Colab, which opens only .ipynb files, is not offered.
     assert buttons["Launch on Binder"] == (
         f"https://mybinder.org/v2/gh/{owner_repo}/{branch}?urlpath=lab/tree/{source}")
-    assert buttons["Launch on Colab"] == (
-        f"https://colab.research.google.com/github/{owner_repo}/blob/{branch}/{source}")
+    assert "Launch on Colab" not in buttons
     # Still nothing is loaded from another host: the buttons are links.
     parser = _ResourceRefs()
     parser.feed(page.read_text(encoding="utf-8"))
