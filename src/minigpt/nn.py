@@ -124,10 +124,10 @@ class LayerNorm(nn.Module):
     Shapes: (..., D) -> (..., D).
 
     ``use_fused`` (the default) hands the same computation to PyTorch's one
-    kernel, `torch.nn.functional.layer_norm`, which is several times faster
-    than the ten separate operations below and their backward passes. Set
-    it to False to run the formula as written; the two agree to float
-    rounding (tests/test_nn.py checks both against `torch.nn.LayerNorm`).
+    kernel, `torch.nn.functional.layer_norm`, which is faster than the ten
+    separate operations below and their backward passes. Set it to False to
+    run the formula as written; the two agree to float rounding, and both
+    with `torch.nn.LayerNorm`.
     """
 
     def __init__(self, d_model: int, eps: float = 1e-5, bias: bool = True) -> None:
