@@ -50,12 +50,16 @@ setup: $(STAMP) $(NPM_STAMP) assets book-model
 
 # Headless Chromium and its driver for the browser test (Debian packages; the
 # test drives /usr/bin/chromium through /usr/bin/chromedriver, nothing is downloaded),
-# and an emoji font, without which the PDF (make pdf) prints the chapters' emoji as blanks.
+# and an emoji font and a CJK one (1.8 MB), without which the PDF (make pdf) prints the
+# chapters' emoji and Japanese examples as blanks.
 EMOJI_FONT := /usr/share/fonts/truetype/noto/NotoColorEmoji.ttf
+CJK_FONT := /usr/share/fonts/truetype/droid/DroidSansFallbackFull.ttf
 system-deps:
-	@if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ] || [ ! -f $(EMOJI_FONT) ]; then \
-		echo "installing Debian's chromium, chromium-driver and fonts-noto-color-emoji"; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver fonts-noto-color-emoji >/dev/null; \
+	@if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ] || [ ! -f $(EMOJI_FONT) ] \
+			|| [ ! -f $(CJK_FONT) ]; then \
+		echo "installing Debian's chromium, chromium-driver, fonts-noto-color-emoji and fonts-droid-fallback"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium \
+			chromium-driver fonts-noto-color-emoji fonts-droid-fallback >/dev/null; \
 	fi
 
 # Every chapter is executed afresh on every build (no stale outputs when only src/ changed):
