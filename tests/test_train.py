@@ -352,3 +352,34 @@ def test_checkpoint_load_errors(tmp_path: Path) -> None:
     torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")
     with pytest.raises(ValueError, match="is not a minigpt checkpoint"):
         load_checkpoint(tmp_path / "other.pt")
+
+
+# ----- torch.compile -------------------------------------------------------------------
+
+def test_compiled_training_follows_the_eager_run(data: tuple[np.ndarray, np.ndarray]) -> None:
+    """`compile=True` trains the same model as eager mode (to float rounding), in one
+    graph: the token-id check compiles to a device assertion instead of a graph break."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    tc = run_config(max_steps=12, eval_interval=6, grad_clip=0.5)
+    eager = train(tiny_config(), tc, *data, progress=False)
+    compiled = train(tiny_config(), tc, *data, progress=False, compile=True)
+    assert counters["stats"]["unique_graphs"] >= 1, "nothing was compiled"
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    np.testing.assert_allclose(compiled.history.loss, eager.history.loss, rtol=1e-4)
+    np.testing.assert_allclose(compiled.history.val_loss, eager.history.val_loss, rtol=1e-4)
+    for (name, p1), p2 in zip(eager.model.state_dict().items(),
+                              compiled.model.state_dict().values(), strict=True):
+        torch.testing.assert_close(p2, p1, rtol=1e-4, atol=1e-5, msg=name)
+    # The trained model is the plain module (its checkpoint keys carry no _orig_mod.).
+    assert type(compiled.model) is GPT
+
+
+def test_a_compiled_model_still_refuses_out_of_range_ids() -> None:
+    torch._dynamo.reset()
+    model = torch.compile(GPT(tiny_config()))
+    assert model(torch.randint(0, V, (2, 8))).shape == (2, 8, V)
+    with pytest.raises(RuntimeError, match=rf"token id is out of range.*\[0, {V}\)"):
+        model(torch.full((2, 8), V))

@@ -111,8 +111,8 @@ _CONFIG_FIELDS = {"model": ("n_layers", "n_heads", "d_model", "d_ff", "context_l
                             "dropout", "bias", "activation"),
                   "train": (*(flag[0] for flag in _TRAIN_FLAGS), "bf16", "device")}
 # What `--resume` accepts: the run's settings are the checkpoint's.
-_RESUMABLE = {"max_steps", "stop_at", "no_progress", "threads", "out", "resume", "device",
-              "backend", "nproc_per_node", "master_port"}
+_RESUMABLE = {"max_steps", "stop_at", "no_progress", "threads", "compile", "out", "resume",
+              "device", "backend", "nproc_per_node", "master_port"}
 _LAUNCHER_FLAGS = ("--nproc-per-node", "--master-port")
 
 
@@ -164,6 +164,9 @@ def _add_train(commands: Commands) -> None:
                    help="stop (and checkpoint) after STEP steps; --resume continues")
     r.add_argument("--threads", type=int, metavar="N",
                    help="torch.set_num_threads (default: torch's)")
+    r.add_argument("--compile", action="store_true",
+                   help="run the training steps through torch.compile (needs a C++ "
+                        "compiler on the CPU; the first step takes seconds)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     d_ = p.add_argument_group(
         "several processes (data parallel; or launch with torchrun --nproc-per-node=N)")
@@ -235,7 +238,8 @@ def _run(args: dict[str, Any]) -> int:
         result = train(model_config, config, train_ids, val_ids, tokenizer=tokenizer,
                        out_dir=out, resume=bool(args.get("resume")),
                        stop_at=args.get("stop_at"), progress=not args.get("no_progress"),
-                       log=tqdm.write if ctx.is_main else None, ctx=ctx)
+                       log=tqdm.write if ctx.is_main else None, ctx=ctx,
+                       compile=bool(args.get("compile")))
         if ctx.is_main:
             _report(result, config, out, val_ids, tokenizer, text_source, train_ids)
     finally:

@@ -222,11 +222,12 @@ def _check_id_range(ids: Tensor, vocab_size: int) -> None:
     On the CPU a bad id raises ValueError here. On a CUDA device the check is queued on
     the device (`torch._assert_async`) and never synchronises with the host: a bad id
     stops the process at the next synchronisation (e.g. ``loss.item()``), and the
-    device's assertion report carries the message.
+    device's assertion report carries the message. Under `torch.compile` the check is the
+    same assertion, on every device, so that the graph has no break.
     """
     low, high = torch.aminmax(ids)  # one pass over the ids, not a min and a max
     in_range = (low >= 0) & (high < vocab_size)  # a 0-dim bool on the ids' device
-    if ids.device.type in _ASYNC_CHECK_DEVICES:
+    if ids.device.type in _ASYNC_CHECK_DEVICES or torch.compiler.is_compiling():
         torch._assert_async(in_range, f"GPT: a token id is out of range: ids must lie in "
                                       f"[0, {vocab_size}) (the vocabulary size)")
     elif not bool(in_range):

@@ -392,6 +392,7 @@ def train(
     progress: bool = True,
     log: Callable[[str], None] | None = None,
     ctx: DistContext | None = None,
+    compile: bool = False,
 ) -> TrainResult:
     """Train a GPT on token ids and return it with its history and summary metrics.
 
@@ -411,6 +412,8 @@ def train(
         log: called with a line of text after every evaluation (e.g. ``print``).
         ctx: this process's place in a multi-process run (`minigpt.parallel`); None for
             one process on ``config.device``. Rank 0 evaluates, logs and checkpoints.
+        compile: run the training steps through `torch.compile` (the first step then
+            takes seconds to compile; evaluation and checkpoints use the plain model).
 
     Returns:
         `TrainResult` with the trained model, the `History`, and ``metrics`` (see
@@ -437,6 +440,8 @@ def train(
     ckpt_path = None if out_dir is None else Path(out_dir) / CHECKPOINT_NAME
     saved_at = start if resume else -1
     trainee = wrap_model(model, ctx)
+    if compile:
+        trainee = torch.compile(trainee)
     splits = {"train": train_data, "val": val_data}
     B, T = config.batch_size, model.config.context_length
     trainee.train()
