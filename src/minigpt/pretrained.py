@@ -28,7 +28,6 @@ the manifest last, so an interrupted build leaves no cache that looks complete.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
 import io
@@ -38,7 +37,7 @@ import shutil
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -321,31 +320,3 @@ def draft_model(*, progress: bool = False) -> tuple[GPT, CharTokenizer, ModelInf
 
 MODELS: dict[str, Callable[..., tuple[GPT, CharTokenizer, ModelInfo]]] = {
     "book": book_model, "draft": draft_model}
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m minigpt pretrained [--only NAME] [--quiet]`: train (once) and verify the
-    models the chapters share."""
-    parser = argparse.ArgumentParser(
-        prog="python -m minigpt pretrained",
-        description="Train the small models the chapters share, once, and cache them "
-                    "($MINIGPT_CACHE or ~/.cache/minigpt); later runs only verify them.")
-    parser.add_argument("--only", choices=sorted(MODELS), action="append",
-                        help="only this model (repeatable; default: all)")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exit_:  # argparse has printed the usage and the error (or --help)
-        return int(exit_.code) if isinstance(exit_.code, int) else 2
-    try:
-        for name in args.only or list(MODELS):
-            model, _, info = MODELS[name](progress=not args.quiet)
-            m = info.metrics
-            what = (f"trained in {m['total_seconds']:.0f} s" if info.built
-                    else "loaded and verified")
-            print(f"{name} model ({model.num_parameters():,} parameters, validation loss "
-                  f"{m['final_val_loss']:.3f}): {what}; {info.path}")
-    except (OSError, ValueError) as err:
-        print(f"minigpt pretrained: error: {err}", file=sys.stderr)
-        return 1
-    return 0
