@@ -76,6 +76,31 @@ def fix_markup(app: Sphinx, pagename: str, templatename: str,
         context["body"] = _BIBLIOENTRY.sub(r'\1 role="listitem"', body)
 
 
+# The theme's buttons whose accessible name differs from what they show (WCAG 2.5.3,
+# axe-core's label-content-name-mismatch): the search field is labelled "Search" but shows
+# "Search Ctrl+K", so it loses the label and is named by its text; the colour-mode button's
+# icons carry titles ("Light", "Dark", ...), which Font Awesome's script turns into text
+# inside the button that is not its name "Color mode": the icons lose their titles (the
+# button's tooltip names it) and are hidden from assistive technology, as decorative
+# icons are.
+_SEARCH_FIELD_LABEL = re.compile(
+    r'(<button class="btn search-button-field [^"]*"[^>]*?)\s+aria-label="Search"')
+_THEME_ICON = re.compile(r'(<i class="theme-switch [^"]*"[^>]*?)\s+title="[^"]*"([^>]*?)(\s*>)')
+
+
+def fix_theme_markup(app: Sphinx, exception: Exception | None) -> None:
+    """Rewrite the theme's buttons in every written page (they come from its templates,
+    outside the page body that `fix_markup` sees)."""
+    if exception is not None or app.builder.format != "html":
+        return
+    for page in Path(app.outdir).rglob("*.html"):
+        html = page.read_text(encoding="utf-8")
+        fixed = _SEARCH_FIELD_LABEL.sub(r"\1", html)
+        fixed = _THEME_ICON.sub(r'\1\2 aria-hidden="true"\3', fixed)
+        if fixed != html:
+            page.write_text(fixed, encoding="utf-8")
+
+
 def offer_the_book_pdf(app: Sphinx, pagename: str, templatename: str,
                        context: dict[str, Any], doctree: Any) -> None:
     """Add the whole book's PDF to the page's download menu (after the theme built it)."""
@@ -98,4 +123,5 @@ def setup(app: Sphinx) -> dict[str, Any]:
     # The theme fills the header buttons at priority 501.
     app.connect("html-page-context", offer_the_book_pdf, priority=600)
     app.connect("html-page-context", fix_markup)
+    app.connect("build-finished", fix_theme_markup)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
