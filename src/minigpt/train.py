@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -441,7 +441,7 @@ def train(
     saved_at = start if resume else -1
     trainee = wrap_model(model, ctx)
     if compile:
-        trainee = torch.compile(trainee)
+        trainee = cast(nn.Module, torch.compile(trainee))  # an OptimizedModule
     splits = {"train": train_data, "val": val_data}
     B, T = config.batch_size, model.config.context_length
     trainee.train()
