@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from minigpt import GPT, GPTConfig, generate
-from minigpt.speculative import next_token_distribution, speculative_generate, verify
+from minigpt.decoding import next_token_distribution
+from minigpt.speculative import speculative_generate, verify
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

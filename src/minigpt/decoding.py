@@ -18,7 +18,8 @@ window at each step, exactly as the uncached loop does it.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import torch
@@ -118,6 +119,37 @@ def top_p_filter(logits: Tensor, p: float) -> Tensor:
     # back to vocabulary order
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
+
+
+def next_token_distribution(logits: Tensor, *, temperature: float = 1.0,
+                            top_k: int | None = None, top_p: float | None = None,
+                            greedy: bool = False) -> Tensor:
+    """The distribution a sampler draws from: logits (..., V) -> probabilities (..., V).
+
+    Greedy decoding (or temperature 0) is the one-hot distribution of the argmax.
+    """
+    if greedy or temperature == 0.0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
+    logits = apply_temperature(logits, temperature)
+    if top_k is not None:
+        logits = top_k_filter(logits, top_k)
+    if top_p is not None:
+        logits = top_p_filter(logits, top_p)
+    return torch.softmax(logits, dim=-1)
+
+
+@contextmanager
+def eval_mode(*models: nn.Module) -> Iterator[None]:
+    """Run the block with ``models`` in eval mode (no dropout), then give each back the mode
+    it was in, even if the block raises."""
+    modes = [model.training for model in models]
+    for model in models:
+        model.eval()
+    try:
+        yield
+    finally:
+        for model, mode in zip(models, modes, strict=True):
+            model.train(mode)
 
 
 def _check_model(model: nn.Module, use_cache: object) -> Any:
@@ -251,24 +283,16 @@ def generate(
     if squeeze:
         seq = seq.unsqueeze(0)
     cache: KVCache | None = model.new_cache() if use_cache else None  # type: ignore[operator]
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         for _ in range(max_new_tokens):
             logits = _next_logits(model, seq, config.context_length, cache)  # (B, V)
-            if greedy or tau == 0.0:
-                next_id = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+            probs = next_token_distribution(logits, temperature=tau, top_k=top_k,
+                                            top_p=top_p, greedy=greedy)
+            if greedy or tau == 0.0:  # one-hot: no need to draw
+                next_id = probs.argmax(dim=-1, keepdim=True)  # (B, 1)
             else:
-                logits = apply_temperature(logits, tau)
-                if top_k is not None:
-                    logits = top_k_filter(logits, top_k)
-                if top_p is not None:
-                    logits = top_p_filter(logits, top_p)
-                probs = torch.softmax(logits, dim=-1)
                 next_id = torch.multinomial(probs, num_samples=1, generator=generator)
             seq = torch.cat([seq, next_id], dim=1)
-    finally:
-        model.train(was_training)
     return seq[0] if squeeze else seq
 
 
@@ -349,9 +373,7 @@ def beam_search(
     lengths = torch.zeros(1, dtype=torch.long, device=device)  # (K,)
     done = torch.zeros(1, dtype=torch.bool, device=device)  # (K,)
     cache: KVCache | None = model.new_cache() if use_cache else None  # type: ignore[operator]
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         for _ in range(max_new_tokens):
             if bool(done.all()):
                 break
@@ -371,8 +393,6 @@ def beam_search(
             log_probs = best.values
             if cache is not None:
                 cache.reorder(beam)
-    finally:
-        model.train(was_training)
     missing = ids.shape[0] + max_new_tokens - seq.shape[1]
     if missing > 0:  # every beam finished early: pad with eos
         assert eos_id is not None

@@ -32,9 +32,8 @@ from minigpt.decoding import (
     _check_sampling,
     _next_logits,
     _prompt_tensor,
-    apply_temperature,
-    top_k_filter,
-    top_p_filter,
+    eval_mode,
+    next_token_distribution,
 )
 from minigpt.model import GPT
 
@@ -75,23 +74,6 @@ class SpeculativeResult(NamedTuple):
         return new / self.target_passes if self.target_passes else float("nan")
 
 
-def next_token_distribution(logits: Tensor, *, temperature: float = 1.0,
-                            top_k: int | None = None, top_p: float | None = None,
-                            greedy: bool = False) -> Tensor:
-    """The distribution a sampler draws from: logits (..., V) -> probabilities (..., V).
-
-    Greedy decoding (or temperature 0) is the one-hot distribution of the argmax.
-    """
-    if greedy or temperature == 0.0:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
-    logits = apply_temperature(logits, temperature)
-    if top_k is not None:
-        logits = top_k_filter(logits, top_k)
-    if top_p is not None:
-        logits = top_p_filter(logits, top_p)
-    return torch.softmax(logits, dim=-1)
-
-
 def verify(p: Tensor, q: Tensor, token: int,
            generator: torch.Generator | None = None) -> tuple[bool, int]:
     """Check one proposal ``token`` drawn from q (V,) against the target's p (V,).
@@ -104,7 +86,10 @@ def verify(p: Tensor, q: Tensor, token: int,
     if u * q[token] < p[token]:
         return True, token
     residual = (p - q).clamp(min=0.0)
-    y = torch.multinomial(residual / residual.sum(), 1, generator=generator)
+    mass = residual.sum()
+    # p and q equal to rounding: so is this rejection, and the residual is empty (0 / 0)
+    dist = residual / mass if mass > torch.finfo(p.dtype).eps else p
+    y = torch.multinomial(dist, 1, generator=generator)
     return False, int(y)
 
 
@@ -156,11 +141,8 @@ def speculative_generate(
         raise TypeError(f"use_cache must be a bool, got {type(use_cache).__name__}")
     t_cache = target.new_cache() if use_cache else None
     d_cache = draft.new_cache() if use_cache else None
-    modes = target.training, draft.training
-    target.eval()
-    draft.eval()
     passes, draft_passes, proposed, accepted, rejected = 0, 0, 0, 0, 0
-    try:
+    with eval_mode(target, draft):
         while seq.shape[1] < end:
             n = seq.shape[1]
             kk = min(k, context - n, end - n - 1)  # proposals that fit the context and N
@@ -195,9 +177,6 @@ def speculative_generate(
             for cache in (t_cache, d_cache):  # forget the rejected proposals
                 if cache is not None:
                     cache.crop(min(cache.length, seq.shape[1] - 1))
-    finally:
-        target.train(modes[0])
-        draft.train(modes[1])
     return SpeculativeResult(seq[0, :end], ids.shape[0], passes, draft_passes, proposed,
                              accepted, rejected)
 
