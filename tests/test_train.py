@@ -94,13 +94,17 @@ def test_train_config_defaults_are_the_cpu_recipe() -> None:
     assert (c.beta1, c.beta2, c.weight_decay, c.grad_clip, c.eval_steps) == (0.9, 0.99, 0.1, 1.0,
                                                                              20)
     assert TrainConfig(max_steps=300, warmup_steps=10).decay_steps == 300
+    # A run shorter than the default warm-up warms up over its whole schedule.
+    assert TrainConfig(max_steps=50).warmup_steps == 50
+    assert TrainConfig(max_steps=500, decay_steps=40).warmup_steps == 40
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         ({"lr": 1e-4, "min_lr": 1e-3}, r"min_lr \(=0.001\) must not exceed lr"),
-        ({"max_steps": 50}, r"decay_steps \(=50\) must be >= warmup_steps \(=100\)"),
+        ({"max_steps": 50, "warmup_steps": 100},
+         r"warmup_steps \(=100\) must not exceed decay_steps \(=50, by default max_steps\)"),
         ({"lr": 0.0}, "lr"),
         ({"batch_size": 0}, "batch_size"),
         ({"beta2": 1.0}, "beta2"),
