@@ -230,6 +230,7 @@ def _sample(ns: argparse.Namespace, argv: list[str]) -> int:
 def _assets(args: argparse.Namespace, argv: list[str]) -> int:
     if not getattr(args, "check", False):
         assets.ensure_assets(getattr(args, "cache", None))
+        return 0
     for name, path in assets.check_assets(getattr(args, "cache", None)).items():
         print(f"{name}: verified at {path}")
     return 0
