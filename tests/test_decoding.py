@@ -15,6 +15,7 @@ from minigpt import GPT, GPTConfig
 from minigpt.decoding import (
     apply_temperature,
     beam_search,
+    eval_mode,
     generate,
     top_k_filter,
     top_p_filter,
@@ -252,6 +253,15 @@ def test_inputs_are_not_mutated_and_mode_is_restored(model: GPT) -> None:
     generate(model, prompt, 2)
     assert not model.training
     assert torch.equal(prompt, before) and as_list == [4, 2, 0]
+
+
+def test_eval_mode_gives_each_model_its_mode_back_even_on_error(model: GPT) -> None:
+    other = GPT(GPTConfig.debug(vocab_size=V)).eval()
+    model.train()
+    with pytest.raises(RuntimeError, match="inside"), eval_mode(model, other):
+        assert not model.training and not other.training
+        raise RuntimeError("inside")
+    assert model.training and not other.training
 
 
 def test_accepts_narrower_integer_dtypes(model: GPT) -> None:
