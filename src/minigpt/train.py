@@ -400,22 +400,12 @@ def _check_resumable(ckpt: dict[str, Any], model: GPT, config: TrainConfig,
                          "depend on it")
 
 
-def train(
-    model: GPT | GPTConfig,
-    config: TrainConfig,
-    train_data: np.ndarray,
-    val_data: np.ndarray,
-    *,
-    tokenizer: Tokenizer | None = None,
-    out_dir: Path | str | None = None,
-    resume: bool = False,
-    stop_at: int | None = None,
-    progress: bool = True,
-    log: Callable[[str], None] | None = None,
-    ctx: DistContext | None = None,
-    compile: bool = False,
-) -> TrainResult:
-    """Train a GPT on token ids and return it with its history and summary metrics.
+def train(model: GPT | GPTConfig, config: TrainConfig, train_data: np.ndarray,
+          val_data: np.ndarray, *, tokenizer: Tokenizer | None = None,
+          out_dir: Path | str | None = None, resume: bool = False, stop_at: int | None = None,
+          progress: bool = True, log: Callable[[str], None] | None = None,
+          ctx: DistContext | None = None, compile: bool = False) -> TrainResult:
+    """Train a GPT on token ids; return it with its `History` and metrics (`_metrics`).
 
     Args:
         model: a `GPT` to train further, or a `GPTConfig` to build one from (its initial
@@ -423,30 +413,19 @@ def train(
         config: the run's `TrainConfig`.
         train_data, val_data: (N,) token ids, e.g. `minigpt.data.load_ids` memmaps.
         tokenizer: stored in checkpoints so that sampling can decode.
-        out_dir: where ``checkpoint.pt`` goes, after every evaluation and at the end
-            (None: no checkpoints).
-        resume: continue the run saved in ``out_dir`` (see `resume_run`) up to
-            ``config.max_steps``, with the checkpoint's schedule.
-        stop_at: stop after this many steps (and checkpoint), as if interrupted; the
-            schedule is still that of ``config.max_steps``, so ``resume`` continues it.
-        progress: show a tqdm progress bar.
-        log: called with a line of text after every evaluation (e.g. ``print``).
+        out_dir: where ``checkpoint.pt`` goes, after every evaluation and at the end.
+        resume: continue the run saved in ``out_dir`` (`resume_run`), with its schedule.
+        stop_at: stop after this many steps (and checkpoint), as if interrupted.
+        progress: show a tqdm progress bar; log: called with each evaluation's line.
         ctx: this process's place in a multi-process run (`minigpt.parallel`); None for
-            one process on ``config.device``. Rank 0 evaluates, logs and checkpoints.
+            one process on ``config.device``. Rank 0 logs and checkpoints.
         compile: run the training steps through `torch.compile` (the first step then
             takes seconds to compile; evaluation and checkpoints use the plain model).
 
-    Returns:
-        `TrainResult` with the trained model, the `History`, and ``metrics`` (see
-        `_metrics`). It seeds torch's global generator (dropout) with ``config.seed`` plus
-        the rank.
+    Torch's global generator (dropout) is seeded with ``config.seed`` plus the rank.
     """
     ctx = _check_train_args(config, out_dir, resume, stop_at, ctx)
-    model = _build_model(model, config, train_data, val_data).to(ctx.device)
-    optimizer = configure_optimizer(model, lr=config.lr, weight_decay=config.weight_decay,
-                                    betas=(config.beta1, config.beta2))
-    batch_gen = torch.Generator().manual_seed(config.seed)
-    torch.manual_seed(config.seed + ctx.rank)  # dropout: each rank its own masks
+    model, optimizer, batch_gen = _set_up(model, config, train_data, val_data, ctx)
     history, start = History(), 0
     if resume:
         start, history, tokenizer = restore(Path(str(out_dir)), model, optimizer, config,
@@ -457,37 +436,46 @@ def train(
     save = None if out_dir is None else partial(
         save_run, Path(out_dir) / CHECKPOINT_NAME, model, optimizer, config, history=history,
         batch_gen=batch_gen, tokenizer=tokenizer, ctx=ctx)
-    saved_at = start if resume else -1
-    trainee = trainee_of(model, ctx, compile=compile)
-    trainee.train()
-    wall0 = time.perf_counter()
-    bar = tqdm(total=end, initial=start, disable=not (progress and ctx.is_main),
-               unit="step", dynamic_ncols=True)
+    saved_at, trainee = start if resume else -1, trainee_of(model, ctx, compile=compile).train()
+    wall0, bar = time.perf_counter(), tqdm(total=end, initial=start, unit="step",
+                                           disable=not (progress and ctx.is_main),
+                                           dynamic_ncols=True)
     for step in range(start, end + 1):
-        # Evaluate at multiples of eval_interval and at the very end (a resumed run has
-        # already evaluated its first step before it was saved).
+        # At multiples of eval_interval and at the end (a resumed run's first is done).
         if (step % config.eval_interval == 0 or step == config.max_steps) and not (
                 resume and step == start):
-            # Each rank scores its share of global batches: the numbers do not depend on
-            # the number of processes, and no GPU holds more than its training batch.
-            losses = estimate_loss(model, {"train": train_data, "val": val_data},
-                                   batch_size=config.batch_size, seed=config.seed + 1,
-                                   context_length=model.config.context_length,
-                                   eval_steps=config.eval_steps, bf16=config.bf16, ctx=ctx)
-            _record_eval(history, step, losses, bar, log if ctx.is_main else None)
+            _evaluate(model, config, train_data, val_data, history, step, bar,
+                      log if ctx.is_main else None, ctx)
             if save is not None and step > start:
                 save(step=step)
                 saved_at = step
         if step < end:
-            loss = _optimizer_step(step, trainee, optimizer, config, train_data, batch_gen,
-                                   history, ctx, model.config.context_length)
+            loss = _optimizer_step(step, trainee, optimizer, config, train_data,
+                                   batch_gen, history, ctx, model.config.context_length)
             bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
             bar.update(1)
     bar.close()
     if save is not None and end != saved_at:
         save(step=end)
-    metrics = _metrics(history, config, model, time.perf_counter() - wall0, ctx)
-    return TrainResult(model, history, metrics)
+    return TrainResult(model, history, _metrics(history, config, model,
+                                                 time.perf_counter() - wall0, ctx))
+
+
+def _evaluate(model: GPT, config: TrainConfig, train_data: np.ndarray, val_data: np.ndarray,
+              history: History, step: int, bar: Any, log: Callable[[str], None] | None,
+              ctx: DistContext) -> None:
+    # Each rank scores its share of global batches: the numbers do not depend on the number
+    # of processes, and no GPU holds more than its training batch.
+    losses = estimate_loss(model, {"train": train_data, "val": val_data},
+                           batch_size=config.batch_size, seed=config.seed + 1,
+                           context_length=model.config.context_length,
+                           eval_steps=config.eval_steps, bf16=config.bf16, ctx=ctx)
+    history.eval_step.append(step)
+    history.train_loss.append(losses["train"])
+    history.val_loss.append(losses["val"])
+    bar.set_postfix(val=f"{losses['val']:.4f}")
+    if log is not None:
+        log(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
 
 
 def restore(out_dir: Path, model: GPT, optimizer: torch.optim.Optimizer, config: TrainConfig,
@@ -551,6 +539,17 @@ def _check_train_args(config: TrainConfig, out_dir: Path | str | None, resume: b
     return ctx
 
 
+def _set_up(model: GPT | GPTConfig, config: TrainConfig, train_data: np.ndarray,
+            val_data: np.ndarray, ctx: DistContext,
+            ) -> tuple[GPT, torch.optim.Optimizer, torch.Generator]:
+    """The model on its device, its optimiser, the batch generator; dropout's seed."""
+    model = _build_model(model, config, train_data, val_data).to(ctx.device)
+    optimizer = configure_optimizer(model, lr=config.lr, weight_decay=config.weight_decay,
+                                    betas=(config.beta1, config.beta2))
+    torch.manual_seed(config.seed + ctx.rank)  # dropout: each rank its own masks
+    return model, optimizer, torch.Generator().manual_seed(config.seed)
+
+
 def _build_model(model: GPT | GPTConfig, config: TrainConfig, train_data: np.ndarray,
                  val_data: np.ndarray) -> GPT:
     if isinstance(model, GPTConfig):
@@ -564,16 +563,6 @@ def _build_model(model: GPT | GPTConfig, config: TrainConfig, train_data: np.nda
             raise ValueError(f"{name} has {len(data)} tokens; it needs more than "
                              f"context_length={T}")
     return model
-
-
-def _record_eval(history: History, step: int, losses: dict[str, float], bar: Any,
-                 log: Callable[[str], None] | None) -> None:
-    history.eval_step.append(step)
-    history.train_loss.append(losses["train"])
-    history.val_loss.append(losses["val"])
-    bar.set_postfix(val=f"{losses['val']:.4f}")
-    if log is not None:
-        log(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
 
 
 def _metrics(history: History, config: TrainConfig, model: GPT, total_seconds: float,
