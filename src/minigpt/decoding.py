@@ -315,16 +315,9 @@ class BeamSearchResult(NamedTuple):
 
 
 @torch.no_grad()
-def beam_search(
-    model: nn.Module,
-    prompt_ids: Tensor | Sequence[int],
-    max_new_tokens: int,
-    *,
-    num_beams: int,
-    length_penalty: float = 0.0,
-    eos_id: int | None = None,
-    use_cache: bool = True,
-) -> BeamSearchResult:
+def beam_search(model: nn.Module, prompt_ids: Tensor | Sequence[int], max_new_tokens: int, *,
+                num_beams: int, length_penalty: float = 0.0, eos_id: int | None = None,
+                use_cache: bool = True) -> BeamSearchResult:
     """Search for a likely continuation by keeping the ``num_beams`` best prefixes.
 
     Each step extends every kept prefix (a beam) by every token of the
@@ -341,37 +334,19 @@ def beam_search(
     Args:
         model: a GPT.
         prompt_ids: one prompt, (T,) ids or a list of ints.
-        max_new_tokens: N >= 0.
-        num_beams: K >= 1.
+        max_new_tokens, num_beams: N >= 0 new tokens, K >= 1 beams.
         length_penalty: alpha, a finite number.
         eos_id: a token id that ends a hypothesis, or None.
-        use_cache: keep one key-value cache for all beams, reordered as they
-            are selected.
+        use_cache: keep one key-value cache for all beams, reordered as chosen.
 
-    Returns:
-        A `BeamSearchResult` with min(K, number of distinct hypotheses)
-        rows, best first.
+    Returns a `BeamSearchResult`: min(K, distinct hypotheses) rows, best first.
     """
-    config = _check_model(model, use_cache)
-    ids = _prompt_tensor(prompt_ids, config.vocab_size)
-    if ids.dim() != 1:
-        raise ValueError(f"beam_search takes one prompt of shape (T,), got {tuple(ids.shape)}; "
-                         "search each prompt of a batch on its own")
-    _check_count("max_new_tokens", max_new_tokens)
-    num_beams = _check_int("num_beams", num_beams)
-    if num_beams < 1:
-        raise ValueError(f"num_beams must be >= 1, got {num_beams}")
-    alpha = _check_real("length_penalty", length_penalty)
-    if eos_id is not None:
-        eos_id = _check_int("eos_id", eos_id)
-        if not 0 <= eos_id < config.vocab_size:
-            raise ValueError(f"eos_id must lie in [0, {config.vocab_size}), got {eos_id}")
-
+    config, ids, alpha = _check_beam_args(model, prompt_ids, max_new_tokens, num_beams,
+                                          length_penalty, eos_id, use_cache)
     device = next(model.parameters()).device
     seq = ids.to(device=device, dtype=torch.long, copy=True).unsqueeze(0)  # (1, T): one beam
-    log_probs = torch.zeros(1, device=device)  # (K,)
-    lengths = torch.zeros(1, dtype=torch.long, device=device)  # (K,)
-    done = torch.zeros(1, dtype=torch.bool, device=device)  # (K,)
+    log_probs = torch.zeros(1, device=device)  # (K,), and (K,) lengths and finished flags:
+    lengths, done = torch.zeros(1, dtype=torch.long, device=device), log_probs.bool()
     cache: KVCache | None = model.new_cache() if use_cache else None  # type: ignore[operator]
     with eval_mode(model):
         for _ in range(max_new_tokens):
@@ -395,8 +370,24 @@ def beam_search(
                 cache.reorder(beam)
     missing = ids.shape[0] + max_new_tokens - seq.shape[1]
     if missing > 0:  # every beam finished early: pad with eos
-        assert eos_id is not None
-        seq = torch.cat([seq, seq.new_full((seq.shape[0], missing), eos_id)], dim=1)
+        seq = torch.cat([seq, seq.new_full((seq.shape[0], missing), int(eos_id or 0))], dim=1)
     scores = log_probs / lengths.clamp(min=1).float() ** alpha
     order = torch.argsort(scores, descending=True, stable=True)
     return BeamSearchResult(seq[order], scores[order], log_probs[order], lengths[order])
+
+
+def _check_beam_args(model: nn.Module, prompt_ids: object, max_new_tokens: object,
+                     num_beams: object, length_penalty: object, eos_id: object,
+                     use_cache: object) -> tuple[Any, Tensor, float]:
+    """Check beam_search's arguments where they enter; returns (config, ids, alpha)."""
+    config = _check_model(model, use_cache)
+    ids = _prompt_tensor(prompt_ids, config.vocab_size)  # type: ignore[arg-type]
+    if ids.dim() != 1:
+        raise ValueError(f"beam_search takes one prompt of shape (T,), got {tuple(ids.shape)}; "
+                         "search each prompt of a batch on its own")
+    _check_count("max_new_tokens", max_new_tokens)
+    if _check_int("num_beams", num_beams) < 1:
+        raise ValueError(f"num_beams must be >= 1, got {num_beams}")
+    if eos_id is not None and not 0 <= _check_int("eos_id", eos_id) < config.vocab_size:
+        raise ValueError(f"eos_id must lie in [0, {config.vocab_size}), got {eos_id}")
+    return config, ids, _check_real("length_penalty", length_penalty)

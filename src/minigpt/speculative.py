@@ -94,20 +94,11 @@ def verify(p: Tensor, q: Tensor, token: int,
 
 
 @torch.no_grad()
-def speculative_generate(
-    target: GPT,
-    draft: GPT,
-    prompt_ids: Tensor | Sequence[int],
-    max_new_tokens: int,
-    *,
-    k: int = 4,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    greedy: bool = False,
-    generator: torch.Generator | None = None,
-    use_cache: bool = True,
-) -> SpeculativeResult:
+def speculative_generate(target: GPT, draft: GPT, prompt_ids: Tensor | Sequence[int],
+                         max_new_tokens: int, *, k: int = 4, temperature: float = 1.0,
+                         top_k: int | None = None, top_p: float | None = None,
+                         greedy: bool = False, generator: torch.Generator | None = None,
+                         use_cache: bool = True) -> SpeculativeResult:
     """Extend one prompt by ``max_new_tokens`` tokens of the target, k proposed at a time.
 
     Args:
@@ -122,23 +113,16 @@ def speculative_generate(
         use_cache: keep a key-value cache in both models (False: every pass re-reads the
             whole sequence; slower, same tokens).
 
-    Returns:
-        A `SpeculativeResult`. The prompt and both models are left as they were.
+    Returns a `SpeculativeResult`. The prompt and both models are left as they were.
     """
-    tau = _check_args(target, draft, k, temperature, top_k, top_p, greedy, generator)
+    tau, ids = _check_args(target, draft, prompt_ids, max_new_tokens, k, temperature, top_k,
+                           top_p, greedy, generator, use_cache)
     shape = partial(next_token_distribution, temperature=tau, top_k=top_k, top_p=top_p,
                     greedy=greedy)  # the same reshaping for p and q
-    ids = _prompt_tensor(prompt_ids, target.config.vocab_size)
-    if ids.dim() != 1:
-        raise ValueError(f"speculative_generate takes one prompt of shape (T,), got "
-                         f"{tuple(ids.shape)}")
-    _check_count("max_new_tokens", max_new_tokens)
     device = next(target.parameters()).device
     seq = ids.to(device=device, dtype=torch.long, copy=True).unsqueeze(0)  # (1, n)
     end = seq.shape[1] + max_new_tokens
     context = min(target.config.context_length, draft.config.context_length)
-    if not isinstance(use_cache, bool):
-        raise TypeError(f"use_cache must be a bool, got {type(use_cache).__name__}")
     t_cache = target.new_cache() if use_cache else None
     d_cache = draft.new_cache() if use_cache else None
     passes, draft_passes, proposed, accepted, rejected = 0, 0, 0, 0, 0
@@ -162,15 +146,7 @@ def speculative_generate(
             new = proposals[:, t_cache.length:] if t_cache is not None else proposals
             ps = shape(target(new, cache=t_cache)[0, -(kk + 1):].float())
             passes += 1
-            m, extra = 0, None
-            for i in range(kk):
-                ok, token = verify(ps[i], qs[i], int(proposals[0, n + i]), generator)
-                if not ok:
-                    extra = token
-                    break
-                m += 1
-            if extra is None:  # all accepted: the target's pass gives one more for free
-                extra = int(torch.multinomial(ps[kk], 1, generator=generator))
+            m, extra = _accepted(ps, qs, proposals[0, n:], generator)
             proposed, accepted = proposed + kk, accepted + m
             rejected += m < kk
             seq = torch.cat([proposals[:, :n + m], seq.new_tensor([[extra]])], dim=1)
@@ -181,8 +157,21 @@ def speculative_generate(
                              accepted, rejected)
 
 
-def _check_args(target: object, draft: object, k: object, temperature: object,
-                top_k: object, top_p: object, greedy: object, generator: object) -> float:
+def _accepted(ps: Tensor, qs: list[Tensor], proposals: Tensor,
+              generator: torch.Generator | None) -> tuple[int, int]:
+    """Check the kk proposals in order: how many are accepted, and the token that follows
+    them (drawn from a residual at the first rejection, else from p_{kk+1})."""
+    for i, q in enumerate(qs):
+        ok, token = verify(ps[i], q, int(proposals[i]), generator)
+        if not ok:
+            return i, token
+    return len(qs), int(torch.multinomial(ps[len(qs)], 1, generator=generator))
+
+
+def _check_args(target: object, draft: object, prompt_ids: object, max_new_tokens: object,
+                k: object, temperature: object, top_k: object, top_p: object, greedy: object,
+                generator: object, use_cache: object) -> tuple[float, Tensor]:
+    """Check the arguments where they enter; returns the temperature and the prompt."""
     for name, model in (("target", target), ("draft", draft)):
         if not isinstance(model, GPT):
             raise TypeError(f"{name} must be a minigpt GPT, got {type(model).__name__}")
@@ -193,9 +182,16 @@ def _check_args(target: object, draft: object, k: object, temperature: object,
                          "share one tokenizer")
     if next(target.parameters()).device != next(draft.parameters()).device:
         raise ValueError("the draft and the target must be on the same device")
+    if not isinstance(use_cache, bool):
+        raise TypeError(f"use_cache must be a bool, got {type(use_cache).__name__}")
+    ids = _prompt_tensor(prompt_ids, target.config.vocab_size)  # type: ignore[arg-type]
+    if ids.dim() != 1:
+        raise ValueError(f"speculative_generate takes one prompt of shape (T,), got "
+                         f"{tuple(ids.shape)}")
+    _check_count("max_new_tokens", max_new_tokens)
     k = _check_int("k", k)
     if k < 1:
         raise ValueError(f"k (proposals per round) must be >= 1, got {k}")
     tau = _check_sampling(target.config.vocab_size, temperature, top_k, top_p, greedy,
                           generator)
-    return tau
+    return tau, ids
