@@ -224,6 +224,7 @@ def estimate_loss(model: nn.Module, splits: dict[str, np.ndarray], *, batch_size
     with ``batch_size * world_size`` would get, to float rounding.
     """
     device = next(model.parameters()).device
+    ctx = ctx if ctx.distributed else DistContext(device=device)  # batches where the model is
     out = {}
     with eval_mode(model):
         for name, data in splits.items():
