@@ -60,13 +60,12 @@ def apply_temperature(logits: Tensor, temperature: float) -> Tensor:
     Returns:
         A new tensor (..., V).
     """
-    tau = _check_real("temperature", temperature)
-    if tau <= 0.0:
+    if not temperature > 0.0:  # NaN too
         raise ValueError(
-            f"temperature must be > 0 to rescale logits, got {tau}; "
+            f"temperature must be > 0 to rescale logits, got {temperature}; "
             "generate() treats temperature=0 as greedy decoding"
         )
-    return logits / tau
+    return logits / temperature
 
 
 def top_k_filter(logits: Tensor, k: int) -> Tensor:
@@ -82,7 +81,6 @@ def top_k_filter(logits: Tensor, k: int) -> Tensor:
     Returns:
         A new tensor (..., V), -inf outside the top k.
     """
-    k = _check_int("top_k", k)
     vocab_size = logits.shape[-1]
     if not 1 <= k <= vocab_size:
         raise ValueError(f"top_k must lie in [1, V] = [1, {vocab_size}], got {k}")
@@ -105,8 +103,7 @@ def top_p_filter(logits: Tensor, p: float) -> Tensor:
     Returns:
         A new tensor (..., V), -inf outside the nucleus.
     """
-    p = _check_real("top_p", p)
-    if not 0.0 < p <= 1.0:
+    if not 0.0 < p <= 1.0:  # NaN too
         raise ValueError(f"top_p must lie in (0, 1], got {p}")
     if p == 1.0:
         # Rounding in the cumulative sum could drop the least likely tokens.
