@@ -31,7 +31,7 @@ def test_explicit_d_ff_is_kept():
         (dict(d_ff=0), "d_ff", "greater than 0"),
         (dict(dropout=1.0), "dropout", "less than 1"),
         (dict(dropout=-0.1), "dropout", "greater than or equal to 0"),
-        (dict(positional="rotary"), "positional", "'learned' or 'sinusoidal'"),
+        (dict(positional="rotary"), "positional", "'learned', 'sinusoidal' or 'rope'"),
         (dict(layer_norm_eps=0.0), "layer_norm_eps", "greater than 0"),
         (dict(n_experts=4), "n_experts", "Extra inputs are not permitted"),
     ],

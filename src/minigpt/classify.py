@@ -36,14 +36,9 @@ class GPTClassifier(nn.Module):
 
     def forward(self, ids: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
         _check_batch(ids, lengths, self.gpt.config.context_length, self.gpt.config.vocab_size)
-        g = self.gpt
-        positions = torch.arange(ids.shape[1], device=ids.device)
-        x = g.drop(g.wte(ids) + g.wpe(positions))  # (B, T, D)
-        for block in g.h:
-            x, _ = block(x)
-        x = g.ln_f(x)  # (B, T, D): the final hidden states
+        x = self.gpt.hidden_states(ids)  # (B, T, D): what the LM head reads
         last = x[torch.arange(len(ids), device=ids.device), lengths - 1]  # (B, D)
-        return self.head(last), g.lm_head(x)
+        return self.head(last), self.gpt.lm_head(x)
 
 
 def classification_loss(model: GPTClassifier, ids: Tensor, lengths: Tensor, labels: Tensor,

@@ -38,11 +38,24 @@ class GPTConfig(BaseModel):
         dropout: probability used by every dropout layer, in [0, 1).
         bias: whether linear layers and layer norms carry a bias.
         tie_weights: share the token embedding with the output head (GPT-2 does).
-        positional: "learned" (GPT-2) or "sinusoidal" (the original transformer).
-        layer_norm_eps: epsilon inside the square root of layer normalisation.
+        positional: "learned" (GPT-2), "sinusoidal" (the original transformer) or
+            "rope" (rotary: queries and keys rotated by their position, nothing added to
+            the residual stream).
+        layer_norm_eps: epsilon inside the square root of every normalisation.
         activation: the feed-forward non-linearity: "gelu_tanh", GPT-2's tanh
-            approximation of GELU (needed to reproduce GPT-2's logits), or "gelu", the
-            exact x * Phi(x) (cheaper on a CPU; the CPU preset's choice).
+            approximation of GELU (needed to reproduce GPT-2's logits), "gelu", the
+            exact x * Phi(x) (cheaper on a CPU; the CPU preset's choice), "relu2",
+            max(0, x)^2, or "swiglu", SiLU(x W_g) * (x W_1) with a third matrix (its
+            default d_ff is 8D/3, rounded up to a multiple of 8, for GPT-2's parameters).
+        norm: "layernorm" (GPT-2) or "rmsnorm" (no centring, no bias).
+        norm_weight: whether each normalisation has a learned gain (False: parameter-free).
+        qk_norm: normalise each head's queries and keys (RMS, over d_k) before their dot
+            product, which bounds the attention logits.
+        n_kv_heads: H_kv, key-value heads (grouped-query attention); None means H (GPT-2's
+            multi-head attention), 1 is multi-query attention. Must divide n_heads.
+        rope_base: the base of the rotary frequencies, theta_i = base^(-2i/d_k).
+        zero_init: initialise each residual branch's output projection (``c_proj``) and,
+            when untied, the head to zero, so that every block starts as the identity.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -56,9 +69,15 @@ class GPTConfig(BaseModel):
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
     bias: bool = True
     tie_weights: bool = True
-    positional: Literal["learned", "sinusoidal"] = "learned"
+    positional: Literal["learned", "sinusoidal", "rope"] = "learned"
     layer_norm_eps: float = Field(default=1e-5, gt=0.0)
-    activation: Literal["gelu_tanh", "gelu"] = "gelu_tanh"
+    activation: Literal["gelu_tanh", "gelu", "relu2", "swiglu"] = "gelu_tanh"
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    norm_weight: bool = True
+    qk_norm: bool = False
+    n_kv_heads: int | None = Field(default=None, gt=0)
+    rope_base: float = Field(default=10000.0, gt=1.0)
+    zero_init: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -68,7 +87,9 @@ class GPTConfig(BaseModel):
             data = dict(data)
             d_model = data.get("d_model")
             if isinstance(d_model, int) and not isinstance(d_model, bool):
-                data["d_ff"] = 4 * d_model
+                # SwiGLU has three matrices, not two: 2/3 of the width keeps the count.
+                swiglu = data.get("activation") == "swiglu"
+                data["d_ff"] = -(-8 * d_model // 24) * 8 if swiglu else 4 * d_model
             else:
                 data.pop("d_ff", None)
         return data
@@ -80,12 +101,25 @@ class GPTConfig(BaseModel):
                 f"d_model (={self.d_model}) must be divisible by n_heads (={self.n_heads}): "
                 f"every head gets d_model / n_heads features"
             )
+        if self.n_heads % self.kv_heads != 0:
+            raise ValueError(
+                f"n_kv_heads (={self.n_kv_heads}) must divide n_heads (={self.n_heads}): "
+                "each key-value head serves the same number of query heads"
+            )
+        if self.positional == "rope" and self.d_head % 2 != 0:
+            raise ValueError(f"positional='rope' rotates pairs of features, so d_model / "
+                             f"n_heads (={self.d_head}) must be even")
         return self
 
     @property
     def d_head(self) -> int:
         """d_k = d_v = D / H, the width of one attention head."""
         return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """H_kv, the number of key-value heads (H unless grouped-query attention)."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
 
     # ----- presets -----------------------------------------------------------------
     @classmethod
@@ -117,6 +151,20 @@ class GPTConfig(BaseModel):
             dropout=0.0, activation="gelu",
         )
         return cls(**(values | overrides))
+
+    @classmethod
+    def modern(cls, vocab_size: int, **overrides: Any) -> GPTConfig:
+        """The modern layout at the CPU preset's size (`MODERN_LAYOUT` on top of
+        `shakespeare_cpu`): rotary positions, parameter-free RMSNorm, QK-norm, ReLU^2,
+        no biases, an untied head and zero-initialised output projections."""
+        return cls.shakespeare_cpu(vocab_size, **(MODERN_LAYOUT | overrides))
+
+
+#: What the modern layout changes in GPT-2's, field by field (`GPTConfig.modern`).
+MODERN_LAYOUT: dict[str, Any] = dict(
+    positional="rope", norm="rmsnorm", norm_weight=False, qk_norm=True,
+    activation="relu2", bias=False, tie_weights=False, zero_init=True,
+)
 
 
 def seed_all(seed: int, *, deterministic: bool = False) -> None:

@@ -1,4 +1,9 @@
-"""The GPT: embeddings, a stack of pre-LN blocks, a final layer norm and a tied head."""
+"""The GPT: embeddings, a stack of pre-LN blocks, a final norm and a (tied) head.
+
+GPT-2's layout by default; `GPTConfig`'s switches give the modern one (rotary positions,
+RMSNorm, QK-norm, ReLU^2 or SwiGLU, grouped-query attention, untied zero-initialised
+projections).
+"""
 
 from __future__ import annotations
 
@@ -14,8 +19,11 @@ from minigpt.nn import (
     KVCache,
     LayerNorm,
     LearnedPositionalEmbedding,
+    RMSNorm,
+    RotaryEmbedding,
     SinusoidalPositionalEncoding,
     TokenEmbedding,
+    make_norm,
 )
 
 
@@ -35,29 +43,31 @@ class GPT(nn.Module):
         self.config = config
         c = config
         self.wte = TokenEmbedding(c.vocab_size, c.d_model)
-        self.wpe: nn.Module = (
-            LearnedPositionalEmbedding(c.context_length, c.d_model)
-            if c.positional == "learned"
-            else SinusoidalPositionalEncoding(c.context_length, c.d_model)
-        )
+        self.wpe = _positional_embedding(c)  # None with rotary positions
         self.drop = nn.Dropout(c.dropout)
         self.h = nn.ModuleList(
             Block(c.d_model, c.n_heads, c.d_ff, dropout=c.dropout, bias=c.bias,
-                  eps=c.layer_norm_eps, activation=c.activation)
+                  eps=c.layer_norm_eps, activation=c.activation, norm=c.norm,
+                  norm_weight=c.norm_weight, n_kv_heads=c.n_kv_heads, qk_norm=c.qk_norm,
+                  rope=_rotary(c))
             for _ in range(c.n_layers)
         )
-        self.ln_f = LayerNorm(c.d_model, eps=c.layer_norm_eps, bias=c.bias)
+        self.ln_f = make_norm(c.norm, c.d_model, eps=c.layer_norm_eps, bias=c.bias,
+                              weight=c.norm_weight)
         self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
         if c.tie_weights:
             # One matrix W_e (V, D) both embeds tokens and scores them (W_s = W_e^T).
             self.lm_head.weight = self.wte.weight
         self.apply(self._init_weights)
         # GPT-2: each residual branch's output projection is scaled by 1/sqrt(2L), since
-        # 2L branches add their outputs into the residual stream.
-        residual_std = 0.02 / math.sqrt(2 * c.n_layers)
+        # 2L branches add their outputs into the residual stream; zero_init starts them
+        # (and an untied head) at 0, so that every block begins as the identity.
+        residual_std = 0.0 if c.zero_init else 0.02 / math.sqrt(2 * c.n_layers)
         for name, param in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(param, mean=0.0, std=residual_std)
+        if c.zero_init and not c.tie_weights:
+            nn.init.zeros_(self.lm_head.weight)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -68,29 +78,40 @@ class GPT(nn.Module):
                 nn.init.zeros_(module.bias)
         elif isinstance(module, TokenEmbedding | LearnedPositionalEmbedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        elif isinstance(module, LayerNorm):
-            nn.init.ones_(module.weight)
-            if module.bias is not None:
+        elif isinstance(module, LayerNorm | RMSNorm):
+            if module.weight is not None:
+                nn.init.ones_(module.weight)
+            if isinstance(module, LayerNorm) and module.bias is not None:
                 nn.init.zeros_(module.bias)
 
     def num_parameters(self, *, exclude_positional: bool = False) -> int:
         """Number of trainable values; a tied matrix counts once."""
-        total = sum(p.numel() for p in self.parameters())  # parameters() de-duplicates
+        total = sum(p.numel() for p in self.parameters()  # parameters() de-duplicates
+                    if p.requires_grad)  # (a parameter-free norm's constant gain is not)
         if exclude_positional and isinstance(self.wpe, LearnedPositionalEmbedding):
             total -= self.wpe.weight.numel()
         return total
+
+    def kv_cache_bytes(self, length: int, batch_size: int = 1) -> int:
+        """Bytes a full cache of ``length`` positions takes: 2 L T H_kv d_k values (keys and
+        values, every layer) per sequence, at the parameters' element size."""
+        c = self.config
+        element = next(self.parameters()).element_size()
+        return 2 * c.n_layers * length * c.kv_heads * c.d_head * element * batch_size
 
     def new_cache(self) -> KVCache:
         """An empty `KVCache` for this model: one layer cache per block, T_max positions each."""
         return KVCache(self.config.n_layers, self.config.context_length)
 
     def _run(self, input_ids: Tensor, need_weights: bool, cache: KVCache | None,
-             last_only: bool = False) -> tuple[Tensor, list[Tensor]]:
+             last_only: bool = False, head: bool = True) -> tuple[Tensor, list[Tensor]]:
         _check_ids(self.config, input_ids, cache)
         input_ids = input_ids.long()
-        past = 0 if cache is None else cache.length  # positions already read
-        positions = torch.arange(past, past + input_ids.shape[1], device=input_ids.device)
-        x = self.drop(self.wte(input_ids) + self.wpe(positions))  # (B, T, D)
+        x = self.wte(input_ids)  # (B, T, D)
+        if self.wpe is not None:  # absolute positions; rotary ones act inside attention
+            past = 0 if cache is None else cache.length  # positions already read
+            x = x + self.wpe(torch.arange(past, past + x.shape[1], device=x.device))
+        x = self.drop(x)
         maps: list[Tensor] = []
         for i, block in enumerate(self.h):
             x, weights = block(x, need_weights=need_weights,
@@ -99,8 +120,18 @@ class GPT(nn.Module):
                 maps.append(weights)
         if last_only:
             x = x[:, -1:, :]  # (B, 1, D): generation needs only the next token's scores
-        logits: Tensor = self.lm_head(self.ln_f(x))  # (B, T, V)
+        x = self.ln_f(x)
+        if not head:
+            return x, maps  # (B, T, D), for heads of other tasks
+        logits: Tensor = self.lm_head(x)  # (B, T, V)
         return logits, maps
+
+    def hidden_states(self, input_ids: Tensor, *, cache: KVCache | None = None) -> Tensor:
+        """input_ids (B, T) -> the final norm's output (B, T, D): what the head reads.
+
+        Everything of `forward` but the head, for heads of other tasks (`minigpt.classify`).
+        """
+        return self._run(input_ids, need_weights=False, cache=cache, head=False)[0]
 
     def forward(
         self, input_ids: Tensor, *, cache: KVCache | None = None, last_only: bool = False
@@ -133,8 +164,11 @@ class GPT(nn.Module):
         shape (in, out); ``nn.Linear`` keeps (out, in), so those four are
         transposed. Buffers such as ``attn.bias`` (its causal mask) are ignored.
         """
-        if config.positional != "learned" or not config.tie_weights:
-            raise ValueError("GPT-2 weights need positional='learned' and tie_weights=True")
+        gpt2_layout = GPTConfig(**{k: v for k, v in config.model_dump().items()
+                                   if k not in _MODERN_SWITCHES})
+        if config != gpt2_layout or not config.tie_weights:
+            raise ValueError("GPT-2 weights need GPT-2's layout: positional='learned', "
+                             "tie_weights=True and the modern switches at their defaults")
         model = cls(config)
         own = model.state_dict()
         transposed = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
@@ -160,6 +194,25 @@ class GPT(nn.Module):
         if missing:
             raise ValueError(f"the GPT-2 state dict lacks {missing}")
         return model
+
+
+#: The fields that leave GPT-2's layout when changed from their defaults.
+_MODERN_SWITCHES = ("positional", "norm", "norm_weight", "qk_norm", "n_kv_heads",
+                    "zero_init")
+
+
+def _positional_embedding(c: GPTConfig) -> nn.Module | None:
+    if c.positional == "learned":
+        return LearnedPositionalEmbedding(c.context_length, c.d_model)
+    if c.positional == "sinusoidal":
+        return SinusoidalPositionalEncoding(c.context_length, c.d_model)
+    return None
+
+
+def _rotary(c: GPTConfig) -> RotaryEmbedding | None:
+    if c.positional != "rope":
+        return None
+    return RotaryEmbedding(c.context_length, c.d_head, c.rope_base)
 
 
 # ----- the input checks of every forward pass ------------------------------------------

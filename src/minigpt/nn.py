@@ -160,6 +160,98 @@ def gelu(x: Tensor, approximate: str = "none") -> Tensor:
     raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
 
 
+class RMSNorm(nn.Module):
+    """Root-mean-square normalisation: x / sqrt(mean(x^2) + eps) * gamma.
+
+    Layer normalisation without the centring and without beta: each vector is divided by
+    its root mean square over its D features, so it comes out with RMS 1 (up to eps).
+    Rescaling the input by any c > 0 leaves the output unchanged. With
+    ``weight=False`` there is no gamma either and the norm has no parameters.
+
+    Shapes: (..., D) -> (..., D).
+    """
+
+    def __init__(self, d_model: int, eps: float = 1e-5, weight: bool = True) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d_model)) if weight else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return x * self.weight if self.weight is not None else x
+
+
+def make_norm(kind: str, d_model: int, *, eps: float = 1e-5, bias: bool = True,
+              weight: bool = True) -> nn.Module:
+    """A `LayerNorm` (``kind="layernorm"``) or an `RMSNorm` (``"rmsnorm"``) of width D.
+
+    Without ``weight`` the norm has no learned gain (and, for LayerNorm, no bias either).
+    """
+    if kind == "rmsnorm":
+        return RMSNorm(d_model, eps=eps, weight=weight)
+    norm = LayerNorm(d_model, eps=eps, bias=bias and weight)
+    if not weight:
+        norm.weight.requires_grad_(False)  # a constant gain of 1
+    return norm
+
+
+def relu2(x: Tensor) -> Tensor:
+    """ReLU squared, max(0, x)^2: zero for x < 0, then a parabola."""
+    return F.relu(x).square()
+
+
+# ----------------------------------------------------------------------------------
+# Rotary positions
+# ----------------------------------------------------------------------------------
+
+
+def rope_angles(num_positions: int, d_head: int, base: float = 10000.0
+                ) -> tuple[Tensor, Tensor]:
+    """cos and sin of the rotary angles p * theta_i, each (T, d_head / 2), float32.
+
+    theta_i = base^(-2i / d_head) for i = 0 .. d_head/2 - 1: the frequencies of the
+    sinusoidal encoding, one per pair of features.
+    """
+    position = torch.arange(num_positions, dtype=torch.float64).unsqueeze(1)  # (T, 1)
+    theta = base ** (-torch.arange(0, d_head, 2, dtype=torch.float64) / d_head)
+    angle = position * theta  # (T, d_head / 2)
+    return angle.cos().float(), angle.sin().float()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate pair i of each vector, (x_i, x_{i + d/2}), by the angle p * theta_i.
+
+    Args:
+        x: queries or keys, (B, H, T, d_k).
+        cos, sin: (T, d_k / 2), the angles of the T positions of x.
+
+    Returns: (B, H, T, d_k); each pair is turned, its length kept.
+    """
+    x1, x2 = x.chunk(2, dim=-1)  # the two coordinates of each pair, (B, H, T, d_k / 2)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """The rotary angles of positions 0..T_max-1 in non-persistent buffers (recomputed,
+    never saved), and their application to queries or keys at positions P..P+T-1.
+
+    Shapes: x (B, H, T, d_k), offset P -> (B, H, T, d_k).
+    """
+
+    cos: Tensor
+    sin: Tensor
+
+    def __init__(self, context_length: int, d_head: int, base: float = 10000.0) -> None:
+        super().__init__()
+        cos, sin = rope_angles(context_length, d_head, base)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+        end = offset + x.shape[-2]
+        return apply_rope(x, self.cos[offset:end], self.sin[offset:end])
+
+
 # ----------------------------------------------------------------------------------
 # Attention
 # ----------------------------------------------------------------------------------
@@ -325,7 +417,7 @@ class KVCache:
 
 
 class MultiHeadAttention(nn.Module):
-    """Masked multi-head self-attention, GPT-2 style.
+    """Masked multi-head self-attention, GPT-2 style, with the modern options.
 
     One linear map ``c_attn`` makes Q, K and V for all heads at once (D -> 3D);
     the heads attend independently; their outputs are concatenated and mixed
@@ -338,6 +430,10 @@ class MultiHeadAttention(nn.Module):
         dropout: dropout on the attention weights and on the output.
         bias: whether the two linear maps carry biases.
         causal: mask the future (a decoder); False gives full attention.
+        n_kv_heads: H_kv key-value heads, each shared by H / H_kv query heads
+            (grouped-query attention; ``c_attn`` is then D -> (H + 2 H_kv) d_k).
+        qk_norm: RMS-normalise each head's queries and keys (no parameters).
+        rope: rotate queries and keys by their positions (a `RotaryEmbedding`).
 
     Shapes: x (B, T, D) -> y (B, T, D), and with ``need_weights`` the weights
     (B, H, T, T).
@@ -346,51 +442,67 @@ class MultiHeadAttention(nn.Module):
     the weights are not asked for; both paths compute the same numbers.
 
     With a ``cache`` (a `LayerKVCache` holding P earlier positions) x holds
-    only the T new positions: their keys and values are stored, and their
-    queries attend over all P + T keys (the weights are then (B, H, T, P + T)).
+    only the T new positions: their keys and values are stored (H_kv heads,
+    keys already rotated), and their queries attend over all P + T keys (the
+    weights are then (B, H, T, P + T)).
     """
 
     def __init__(
         self, d_model: int, n_heads: int, *, dropout: float = 0.0, bias: bool = True,
-        causal: bool = True,
+        causal: bool = True, n_kv_heads: int | None = None, qk_norm: bool = False,
+        rope: RotaryEmbedding | None = None,
     ) -> None:
         super().__init__()
         if d_model % n_heads != 0:
             raise ValueError(f"d_model (={d_model}) must be divisible by n_heads (={n_heads})")
         self.n_heads = n_heads
+        self.n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         self.dropout = dropout
         self.causal = causal
         self.use_fused = True
-        self.c_attn = nn.Linear(d_model, 3 * d_model, bias=bias)
+        d_kv = self.n_kv_heads * (d_model // n_heads)
+        self.sizes = (d_model, d_kv, d_kv)  # widths of Q, K and V in c_attn's output
+        self.c_attn = nn.Linear(d_model, d_model + 2 * d_kv, bias=bias)
         self.c_proj = nn.Linear(d_model, d_model, bias=bias)
         self.resid_dropout = nn.Dropout(dropout)
+        self.qk_norm = qk_norm
+        self.rope = rope
 
     def forward(
         self, x: Tensor, need_weights: bool = False, cache: LayerKVCache | None = None
     ) -> tuple[Tensor, Tensor | None]:
-        q, k, v = self.c_attn(x).split(x.shape[-1], dim=-1)  # 3 x (B, T, D)
-        q, k, v = (split_heads(t, self.n_heads) for t in (q, k, v))  # (B, H, T, d_k)
-        past = 0
+        q, k, v = self.c_attn(x).split(self.sizes, dim=-1)
+        q = split_heads(q, self.n_heads)  # (B, H, T, d_k)
+        k, v = split_heads(k, self.n_kv_heads), split_heads(v, self.n_kv_heads)
+        if self.qk_norm:  # every query and key gets RMS 1: |q . k| <= d_k
+            q, k = F.rms_norm(q, q.shape[-1:]), F.rms_norm(k, k.shape[-1:])
+        past = 0 if cache is None else cache.length
+        if self.rope is not None:  # rotate by the positions P..P+T-1
+            q, k = self.rope(q, past), self.rope(k, past)
         if cache is not None:
-            past = cache.length
-            k, v = cache.append(k, v)  # (B, H, P + T, d_k): the stored ones and the new ones
-        dropout_p = self.dropout if self.training else 0.0
-        weights: Tensor | None = None
-        if self.use_fused and not need_weights:
-            if past == 0 or not self.causal:
-                context = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p,
-                                                         is_causal=self.causal and past == 0)
-            elif x.shape[1] == 1:  # one new query: every stored key is in its past
-                context = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
-            else:
-                context = F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=causal_mask(x.shape[1], x.device, past=past),
-                    dropout_p=dropout_p)
-        else:
-            mask = causal_mask(x.shape[1], x.device, past=past) if self.causal else None
-            context, weights = scaled_dot_product_attention(q, k, v, mask, dropout_p)
+            k, v = cache.append(k, v)  # (B, H_kv, P + T, d_k): the stored ones and the new
+        context, weights = self._attend(q, k, v, past, need_weights)
         y = self.resid_dropout(self.c_proj(merge_heads(context)))
         return y, weights
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, past: int, need_weights: bool
+                ) -> tuple[Tensor, Tensor | None]:
+        dropout_p = self.dropout if self.training else 0.0
+        new = q.shape[2]
+        grouped = self.n_kv_heads != self.n_heads
+        if not (self.use_fused and not need_weights):
+            if grouped:  # key-value head j serves query heads j r .. j r + r - 1
+                r = self.n_heads // self.n_kv_heads
+                k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
+            mask = causal_mask(new, q.device, past=past) if self.causal else None
+            return scaled_dot_product_attention(q, k, v, mask, dropout_p)
+        mask, is_causal = None, self.causal and past == 0
+        if self.causal and past > 0 and new > 1:  # one new query sees every stored key
+            mask = causal_mask(new, q.device, past=past)
+        context = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
+            enable_gqa=grouped)
+        return context, None
 
 
 # ----------------------------------------------------------------------------------
@@ -399,14 +511,16 @@ class MultiHeadAttention(nn.Module):
 
 
 _GELU_FORMS = {"gelu_tanh": "tanh", "gelu": "none"}  # activation -> nn.GELU's approximate
+ACTIVATIONS = ("gelu_tanh", "gelu", "relu2", "swiglu")
 
 
 class FeedForward(nn.Module):
-    """Position-wise MLP: GELU(x W_1 + b_1) W_2 + b_2, applied to each position alone.
+    """Position-wise MLP: act(x W_1 + b_1) W_2 + b_2, applied to each position alone.
 
-    Names follow GPT-2: ``c_fc`` (D -> d_ff) and ``c_proj`` (d_ff -> D). The GELU is
-    GPT-2's tanh approximation, `gelu(x, "tanh")`, or with ``activation="gelu"`` the
-    exact `gelu(x)`.
+    Names follow GPT-2: ``c_fc`` (D -> d_ff) and ``c_proj`` (d_ff -> D). The activation
+    is GPT-2's tanh approximation of GELU, `gelu(x, "tanh")` (``"gelu_tanh"``), the exact
+    `gelu(x)` (``"gelu"``) or `relu2` (``"relu2"``). ``"swiglu"`` adds a gate
+    ``c_gate`` (D -> d_ff): SiLU(x W_g) * (x W_1), then W_2.
 
     Shapes: (B, T, D) -> (B, T, D).
     """
@@ -414,16 +528,26 @@ class FeedForward(nn.Module):
     def __init__(self, d_model: int, d_ff: int, *, dropout: float = 0.0, bias: bool = True,
                  activation: str = "gelu_tanh") -> None:
         super().__init__()
-        if activation not in _GELU_FORMS:
-            raise ValueError(f"activation must be one of {sorted(_GELU_FORMS)}, "
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {list(ACTIVATIONS)}, "
                              f"got {activation!r}")
+        self.activation = activation
         self.c_fc = nn.Linear(d_model, d_ff, bias=bias)
-        self.gelu = nn.GELU(approximate=_GELU_FORMS[activation])
+        if activation in _GELU_FORMS:
+            self.gelu = nn.GELU(approximate=_GELU_FORMS[activation])
+        if activation == "swiglu":
+            self.c_gate = nn.Linear(d_model, d_ff, bias=bias)
         self.c_proj = nn.Linear(d_ff, d_model, bias=bias)
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        out: Tensor = self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+        if self.activation == "relu2":
+            hidden = relu2(self.c_fc(x))
+        elif self.activation == "swiglu":
+            hidden = F.silu(self.c_gate(x)) * self.c_fc(x)
+        else:
+            hidden = self.gelu(self.c_fc(x))
+        out: Tensor = self.dropout(self.c_proj(hidden))
         return out
 
 
@@ -436,16 +560,23 @@ class Block(nn.Module):
 
     Shapes: (B, T, D) -> (B, T, D), plus attention weights (B, H, T, T) when
     asked for.
+
+    The keyword arguments after ``activation`` choose the modern layout's parts:
+    ``norm`` and ``norm_weight`` (see `make_norm`), and ``n_kv_heads``, ``qk_norm`` and
+    ``rope`` (see `MultiHeadAttention`).
     """
 
     def __init__(
         self, d_model: int, n_heads: int, d_ff: int, *, dropout: float = 0.0,
         bias: bool = True, eps: float = 1e-5, activation: str = "gelu_tanh",
+        norm: str = "layernorm", norm_weight: bool = True, n_kv_heads: int | None = None,
+        qk_norm: bool = False, rope: RotaryEmbedding | None = None,
     ) -> None:
         super().__init__()
-        self.ln_1 = LayerNorm(d_model, eps=eps, bias=bias)
-        self.attn = MultiHeadAttention(d_model, n_heads, dropout=dropout, bias=bias)
-        self.ln_2 = LayerNorm(d_model, eps=eps, bias=bias)
+        self.ln_1 = make_norm(norm, d_model, eps=eps, bias=bias, weight=norm_weight)
+        self.attn = MultiHeadAttention(d_model, n_heads, dropout=dropout, bias=bias,
+                                       n_kv_heads=n_kv_heads, qk_norm=qk_norm, rope=rope)
+        self.ln_2 = make_norm(norm, d_model, eps=eps, bias=bias, weight=norm_weight)
         self.mlp = FeedForward(d_model, d_ff, dropout=dropout, bias=bias,
                                activation=activation)
 

@@ -25,7 +25,7 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
@@ -72,9 +72,20 @@ class TrainConfig(BaseModel):
         grad_clip: largest global gradient norm; 0 turns clipping off.
         eval_interval: evaluate (and checkpoint) every this many steps, and at the end.
         eval_steps: batches per split in each evaluation.
+        eval_full: score the validation loss of each evaluation on the whole validation
+            split (`full_loss`) instead of on ``eval_steps`` batches: slower, free of
+            sampling noise (what comparing the time two recipes take to a loss needs).
         seed: seeds the initial weights, the batches and dropout.
         bf16: run forward passes under bf16 autocast.
         device: "cpu", "cuda", "cuda:1", ...
+        optimizer: "adamw" for every parameter, or "muon": Muon for the hidden matrices
+            (the 2-D weights inside the blocks) and AdamW for the rest.
+        muon_lr: Muon's peak learning rate (it follows the same schedule as lr).
+        muon_momentum: Muon's momentum (Nesterov).
+        schedule: "cosine" (warm-up, then a cosine decay to min_lr at decay_steps) or
+            "trapezoid" (warm-up, a constant lr, then a linear cool-down to min_lr over
+            the last ``cooldown_fraction`` of decay_steps).
+        cooldown_fraction: the trapezoid's cool-down, as a fraction of decay_steps.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -104,10 +115,16 @@ class TrainConfig(BaseModel):
     eval_interval: int = Field(default=250, ge=1,
                                description="evaluate and checkpoint every this many steps")
     eval_steps: int = Field(default=20, ge=1, description="batches per split in each evaluation")
+    eval_full: bool = False
     seed: int = Field(default=1337, ge=0,
                       description="seeds the initial weights, the batches and dropout")
     bf16: bool = Field(default=False, description="bf16 autocast for forward passes")
     device: str = Field(default="cpu", description="cpu, cuda, cuda:1, ...")
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    muon_lr: float = Field(default=0.02, gt=0.0)
+    muon_momentum: float = Field(default=0.95, ge=0.0, lt=1.0)
+    schedule: Literal["cosine", "trapezoid"] = "cosine"
+    cooldown_fraction: float = Field(default=0.4, gt=0.0, le=1.0)
 
     @model_validator(mode="before")
     @classmethod
@@ -154,7 +171,7 @@ class TrainConfig(BaseModel):
 
 
 def configure_optimizer(
-    model: nn.Module, *, lr: float, weight_decay: float,
+    model: nn.Module | list[nn.Parameter], *, lr: float, weight_decay: float,
     betas: tuple[float, float] = (0.9, 0.99),
 ) -> torch.optim.AdamW:
     """AdamW with two parameter groups: decay for tensors of dim >= 2, none
@@ -164,9 +181,11 @@ def configure_optimizer(
     gains are not, since shrinking a gain or an offset towards 0 is no
     regulariser of the function's complexity. Tied weights appear once
     (``model.parameters()`` de-duplicates them). The fused kernel (one pass
-    over all tensors) is used; PyTorch has it on CPU and CUDA.
+    over all tensors) is used; PyTorch has it on CPU and CUDA. A list of parameters
+    may stand for the model.
     """
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = model if isinstance(model, list) else list(model.parameters())
+    params = [p for p in params if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.dim() >= 2],
          "weight_decay": weight_decay},
@@ -192,6 +211,104 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int,
         return min_lr
     ratio = (step - warmup_steps) / (decay_steps - warmup_steps)
     return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * ratio))
+
+
+def trapezoid_lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int,
+                    decay_steps: int, cooldown_fraction: float) -> float:
+    """Warm-up, stable, decay: the learning rate of step ``step`` (counted from 0).
+
+    * warm-up, step < warmup_steps: linear, as in `lr_at`;
+    * stable: lr until the cool-down starts at
+      c = max(warmup_steps, decay_steps - round(cooldown_fraction * decay_steps));
+    * cool-down, c <= step <= decay_steps: linear from lr to min_lr; then min_lr.
+    """
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    start = max(warmup_steps, decay_steps - round(cooldown_fraction * decay_steps))
+    if step < start:
+        return lr
+    if step >= decay_steps:
+        return min_lr
+    return lr + (min_lr - lr) * (step - start) / (decay_steps - start)
+
+
+def schedule_lr(step: int, config: TrainConfig) -> float:
+    """The learning rate of step ``step`` under ``config``'s schedule."""
+    c = config
+    if c.schedule == "trapezoid":
+        return trapezoid_lr_at(step, lr=c.lr, min_lr=c.min_lr, warmup_steps=c.warmup_steps,
+                               decay_steps=c.schedule_end,
+                               cooldown_fraction=c.cooldown_fraction)
+    return lr_at(step, lr=c.lr, min_lr=c.min_lr, warmup_steps=c.warmup_steps,
+                 decay_steps=c.schedule_end)
+
+
+def muon_and_adamw_parameters(model: GPT) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """Split a GPT's trainable parameters: the hidden matrices (2-D weights inside the
+    blocks: attention's and the feed-forward's maps), which Muon updates, and the rest
+    (embeddings, the head, gains and biases), which stay with AdamW."""
+    hidden: list[nn.Parameter] = []
+    rest: list[nn.Parameter] = []
+    for name, p in model.named_parameters():  # a tied matrix is listed once
+        if p.requires_grad:
+            (hidden if p.dim() == 2 and name.startswith("h.") else rest).append(p)
+    return hidden, rest
+
+
+class MuonAdamW:
+    """Muon on the hidden matrices and AdamW on the rest, stepped as one optimiser.
+
+    ``param_groups`` lists both optimisers' groups; each group keeps its peak rate in
+    ``"peak_lr"``, so a schedule scales them all by the same factor.
+    """
+
+    def __init__(self, model: GPT, config: TrainConfig) -> None:
+        hidden, rest = muon_and_adamw_parameters(model)
+        self.muon = torch.optim.Muon(hidden, lr=config.muon_lr, weight_decay=0.0,
+                                     momentum=config.muon_momentum, nesterov=True,
+                                     adjust_lr_fn="original")
+        self.adamw = configure_optimizer(rest, lr=config.lr,
+                                         weight_decay=config.weight_decay,
+                                         betas=(config.beta1, config.beta2))
+        for group in self.param_groups:
+            group["peak_lr"] = group["lr"]
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.muon.param_groups + self.adamw.param_groups
+
+    def step(self) -> None:
+        self.muon.step()  # type: ignore[no-untyped-call]
+        self.adamw.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.muon.zero_grad(set_to_none)
+        self.adamw.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.muon.load_state_dict(state["muon"])
+        self.adamw.load_state_dict(state["adamw"])
+
+
+Optimizer = torch.optim.AdamW | MuonAdamW
+
+
+def build_optimizer(model: GPT, config: TrainConfig) -> Optimizer:
+    """The run's optimiser: `configure_optimizer`'s AdamW, or `MuonAdamW`."""
+    if config.optimizer == "muon":
+        return MuonAdamW(model, config)
+    return configure_optimizer(model, lr=config.lr, weight_decay=config.weight_decay,
+                               betas=(config.beta1, config.beta2))
+
+
+def set_lr(optimizer: Optimizer, lr: float, config: TrainConfig) -> None:
+    """Give every group the schedule's rate: ``lr`` itself for AdamW alone, else each
+    group's peak rate scaled by lr / config.lr."""
+    for group in optimizer.param_groups:
+        group["lr"] = group["peak_lr"] * lr / config.lr if "peak_lr" in group else lr
 
 
 # ---------------------------------------------------------------------------- the loop
@@ -300,7 +417,7 @@ class StepResult:
 
 
 def train_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer,
+    model: nn.Module, optimizer: Optimizer,
     micro_batches: Sequence[tuple[Tensor, Tensor]], *, grad_clip: float,
     bf16: bool = False,
 ) -> StepResult:
@@ -346,7 +463,7 @@ def _rng_state(batch_gen: torch.Generator, ctx: DistContext) -> dict[str, Any]:
     return {"batches": batch_gen.get_state(), "torch": ranks[0]["torch"], "ranks": ranks}
 
 
-def save_run(path: Path, model: GPT, optimizer: torch.optim.Optimizer, config: TrainConfig,
+def save_run(path: Path, model: GPT, optimizer: Optimizer, config: TrainConfig,
              *, step: int, history: History, batch_gen: torch.Generator,
              tokenizer: Tokenizer | None, ctx: DistContext = SINGLE) -> None:
     """Checkpoint the run at ``step`` (rank 0 writes; every rank must call it)."""
@@ -362,7 +479,7 @@ def save_run(path: Path, model: GPT, optimizer: torch.optim.Optimizer, config: T
 
 
 def resume_run(
-    ckpt: dict[str, Any], model: GPT, optimizer: torch.optim.Optimizer,
+    ckpt: dict[str, Any], model: GPT, optimizer: Optimizer,
     config: TrainConfig, batch_gen: torch.Generator,
     ctx: DistContext = SINGLE,
 ) -> tuple[int, History]:
@@ -471,6 +588,8 @@ def _evaluate(model: GPT, config: TrainConfig, train_data: np.ndarray, val_data:
                            batch_size=config.batch_size, seed=config.seed + 1,
                            context_length=model.config.context_length,
                            eval_steps=config.eval_steps, bf16=config.bf16, ctx=ctx)
+    if config.eval_full:  # the same on every rank: each scores the whole split
+        losses["val"] = full_loss(model, val_data, bf16=config.bf16)
     history.eval_step.append(step)
     history.train_loss.append(losses["train"])
     history.val_loss.append(losses["val"])
@@ -479,7 +598,7 @@ def _evaluate(model: GPT, config: TrainConfig, train_data: np.ndarray, val_data:
         log(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
 
 
-def restore(out_dir: Path, model: GPT, optimizer: torch.optim.Optimizer, config: TrainConfig,
+def restore(out_dir: Path, model: GPT, optimizer: Optimizer, config: TrainConfig,
             batch_gen: torch.Generator, ctx: DistContext, tokenizer: Tokenizer | None,
             ) -> tuple[int, History, Tokenizer | None]:
     """Continue the run saved in ``out_dir`` (`resume_run`); returns its step, its history
@@ -493,14 +612,12 @@ def restore(out_dir: Path, model: GPT, optimizer: torch.optim.Optimizer, config:
     return start, history, tokenizer
 
 
-def _optimizer_step(step: int, trainee: nn.Module, optimizer: torch.optim.Optimizer,
+def _optimizer_step(step: int, trainee: nn.Module, optimizer: Optimizer,
                     config: TrainConfig, data: np.ndarray, batch_gen: torch.Generator,
                     history: History, ctx: DistContext, T: int) -> float:
     """Step ``step`` of the run: its learning rate, its batches, `train_step`, the history."""
-    lr = lr_at(step, lr=config.lr, min_lr=config.min_lr, warmup_steps=config.warmup_steps,
-               decay_steps=config.schedule_end)
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+    lr = schedule_lr(step, config)
+    set_lr(optimizer, lr, config)
     t0 = time.perf_counter()
     batches = [rank_batch(data, config.batch_size, T, ctx, generator=batch_gen)
                for _ in range(config.grad_accum)]
@@ -542,11 +659,10 @@ def _check_train_args(config: TrainConfig, out_dir: Path | str | None, resume: b
 
 def _set_up(model: GPT | GPTConfig, config: TrainConfig, train_data: np.ndarray,
             val_data: np.ndarray, ctx: DistContext,
-            ) -> tuple[GPT, torch.optim.Optimizer, torch.Generator]:
+            ) -> tuple[GPT, Optimizer, torch.Generator]:
     """The model on its device, its optimiser, the batch generator; dropout's seed."""
     model = _build_model(model, config, train_data, val_data).to(ctx.device)
-    optimizer = configure_optimizer(model, lr=config.lr, weight_decay=config.weight_decay,
-                                    betas=(config.beta1, config.beta2))
+    optimizer = build_optimizer(model, config)
     torch.manual_seed(config.seed + ctx.rank)  # dropout: each rank its own masks
     return model, optimizer, torch.Generator().manual_seed(config.seed)
 
