@@ -50,13 +50,13 @@ def add_model_flags(parser: Any, model: type[BaseModel], defaults: BaseModel | N
         choices = get_args(kind) if get_origin(kind) is Literal else None
         default = getattr(defaults, name, field.default)
         text = field.description or docs.get(name) or name.replace("_", " ")
-        if default not in (None, PydanticUndefined, False) and kind is not bool:
+        if default is not None and default is not PydanticUndefined and kind is not bool:
             text += f" (default: {default!r})"
         options: dict[str, Any] = {"help": text.replace("%", "%%")}
         if kind is bool:
             options["action"] = argparse.BooleanOptionalAction
         else:
             options |= {"type": type(choices[0]) if choices else kind, "choices": choices,
-                        "metavar": None if choices else name.split("_")[-1].upper(),
+                        "metavar": None if choices else name.upper(),
                         "required": field.is_required() and defaults is None}
         (group if name in exclusive else parser).add_argument(flag(name), **options)

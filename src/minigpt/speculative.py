@@ -107,11 +107,9 @@ def speculative_generate(target: GPT, draft: GPT, prompt_ids: Tensor | Sequence[
         prompt_ids: one prompt, (T,) ids or a list of ints.
         max_new_tokens: N >= 0.
         k: proposals per round, >= 1.
-        temperature, top_k, top_p, greedy: as in `minigpt.decoding.generate`, applied to both
-            models' distributions alike.
+        temperature, top_k, top_p, greedy: as in `minigpt.decoding.generate`, for both.
         generator: the torch.Generator every random draw uses.
-        use_cache: keep a key-value cache in both models (False: every pass re-reads the
-            whole sequence; slower, same tokens).
+        use_cache: keep a key-value cache in both models (False: slower, same tokens).
 
     Returns a `SpeculativeResult`. The prompt and both models are left as they were.
     """
