@@ -2,7 +2,7 @@
 
 One argparse parser with a sub-command per task; `python -m minigpt COMMAND --help` lists a
 command's flags. `train` has one flag per field of `GPTConfig` and `TrainConfig`, made from
-the fields themselves (`add_model_flags`), so a new field is a new flag. A bad input is one
+the fields themselves (`minigpt.flags`), so a new field is a new flag. A bad input is one
 line on stderr: exit status 2 for a usage error (a flag argparse or a configuration refuses),
 1 for any other error, 130 when interrupted. `train --nproc-per-node N` starts N processes
 through PyTorch's own launcher (`torch.distributed.run`, i.e. torchrun).
@@ -72,7 +72,7 @@ class RunFlags(BaseModel):
 
     out: Path = Field(description="folder of checkpoint.pt, metrics.json, history.json, ids")
     text: Path | None = Field(None, description="UTF-8 text (default: Shakespeare's plays)")
-    tokenizer: Literal[KINDS] = "char"  # type: ignore[valid-type]
+    tokenizer: Literal[KINDS] = Field("char", description="bpe: trained on the train split")  # type: ignore[valid-type]
     bpe_vocab_size: int | None = Field(None, ge=2, description="V of --tokenizer bpe (512)")
     resume: bool = Field(False, description="continue the run in --out (only --max-steps and "
                                             "--device may change)")
