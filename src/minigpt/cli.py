@@ -194,6 +194,7 @@ def _new_settings(run: RunFlags, given: dict[str, Any]) -> tuple[Any, ...]:
 def _launch(run: RunFlags, given: dict[str, Any], argv: Sequence[str]) -> int:
     """Start --nproc-per-node copies of this command with torch.distributed.run, once the
     settings that cannot work are refused."""
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args
     from torch.distributed.run import run as torchrun
@@ -218,6 +219,8 @@ def _launch(run: RunFlags, given: dict[str, Any], argv: Sequence[str]) -> int:
                              *rest]))
     except ChildFailedError as err:  # each rank has said what went wrong on its stderr
         return max(1, err.get_first_failure()[1].exitcode)
+    except SignalException:  # Ctrl-C: torchrun has stopped the ranks
+        raise KeyboardInterrupt from None
     return 0
 
 
