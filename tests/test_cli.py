@@ -74,15 +74,20 @@ def test_every_documented_flag_is_accepted(tmp_path: Path, text_file: Path) -> N
             "--activation", "gelu_tanh"]
     assert main(argv) == 0
     m = json.loads((tmp_path / "metrics.json").read_text())
-    assert m["model_config"] | {"vocab_size": 0} == {
-        "vocab_size": 0, "context_length": 8, "d_model": 16, "n_heads": 2, "n_layers": 1,
-        "d_ff": 24, "dropout": 0.1, "bias": False, "tie_weights": True,
-        "positional": "learned", "layer_norm_eps": 1e-5, "activation": "gelu_tanh"}
-    assert m["train_config"] == {
-        "batch_size": 2, "grad_accum": 2, "max_steps": 3, "lr": 2e-3, "min_lr": 1e-4,
-        "warmup_steps": 1, "decay_steps": 3, "weight_decay": 0.05, "beta1": 0.8, "beta2": 0.95,
-        "grad_clip": 0.5, "eval_interval": 2, "eval_steps": 1, "seed": 3, "bf16": True,
-        "device": "cpu"}
+    given = {"context_length": 8, "d_model": 16, "n_heads": 2, "n_layers": 1, "d_ff": 24,
+             "dropout": 0.1, "bias": False, "activation": "gelu_tanh"}
+    assert {k: m["model_config"][k] for k in given} == given
+    given = {"batch_size": 2, "grad_accum": 2, "max_steps": 3, "lr": 2e-3, "min_lr": 1e-4,
+             "warmup_steps": 1, "decay_steps": 3, "weight_decay": 0.05, "beta1": 0.8,
+             "beta2": 0.95, "grad_clip": 0.5, "eval_interval": 2, "eval_steps": 1, "seed": 3,
+             "bf16": True, "device": "cpu"}
+    assert {k: m["train_config"][k] for k in given} == given
+    # Every other field keeps its default (the CPU preset's, for the model).
+    preset = GPTConfig.shakespeare_cpu(m["vocab_size"], **{
+        k: m["model_config"][k] for k in ("context_length", "d_model", "n_heads", "n_layers",
+                                          "d_ff", "dropout", "bias", "activation")})
+    assert m["model_config"] == preset.model_dump()
+    assert m["train_config"] == TrainConfig(**given).model_dump()
 
 
 def test_same_seed_same_run(tmp_path: Path, text_file: Path, trained: Path) -> None:
