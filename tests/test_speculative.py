@@ -50,7 +50,7 @@ CHI2_999 = [10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32, 26.12, 27.88, 29.59
 
 
 @pytest.mark.parametrize("k, shape", [
-    (3, {}),
+    (3, {}),  # two new tokens: every round here proposes one (see the tests below)
     (1, {"temperature": 0.7}),
     (4, {"temperature": 1.3, "top_k": 3}),
     (2, {"top_p": 0.8}),
@@ -81,6 +81,105 @@ def test_first_two_tokens_follow_the_target(models: tuple[GPT, GPT], k: int,
     dof = len(wanted) - 1
     assert 3 <= dof <= 15 and chi2 < CHI2_999[dof - 1], (chi2, dof)
     assert 0 < accepted < proposed  # both branches, acceptance and residual, were taken
+
+
+def exact_joint(target: GPT, prompt: list[int], n: int, **shape: object) -> torch.Tensor:
+    """P(x_1..x_n | prompt) of the target for all V^n continuations, (V,) * n.
+
+    One batched pass over every continuation gives each one's n conditionals, reshaped as
+    the sampler reshapes them; their product is the continuation's exact probability.
+    """
+    seqs = torch.tensor(list(itertools.product(range(V), repeat=n)))  # (V^n, n)
+    ids = torch.cat([torch.tensor(prompt).expand(len(seqs), -1), seqs], dim=1)
+    with torch.no_grad():
+        logits = target(ids[:, :-1])[:, len(prompt) - 1:]  # (V^n, n, V)
+        dists = next_token_distribution(logits.double(), **shape)  # type: ignore[arg-type]
+    probs = dists.gather(2, seqs[:, :, None]).squeeze(-1).prod(dim=1)
+    return probs.view((V,) * n)
+
+
+def chi2_limit(dof: int) -> float:
+    """The upper 0.001 quantile of chi-square with ``dof`` degrees of freedom.
+
+    Wilson and Hilferty's cube-root approximation (z = 3.0902 is the normal's 0.999
+    quantile); it is within 2 % of the exact quantile from 5 degrees of freedom on.
+    """
+    a = 2 / (9 * dof)
+    return dof * (1 - a + 3.0902 * a ** 0.5) ** 3
+
+
+def chi2_statistic(counts: torch.Tensor, expected: torch.Tensor) -> tuple[float, int]:
+    """Pearson's statistic over the cells, cells expected fewer than 5 times pooled."""
+    counts, expected = counts.flatten().double(), expected.flatten().double()
+    assert counts[expected == 0].sum() == 0  # nothing outside the (filtered) support
+    small = (expected > 0) & (expected < 5)
+    observed = torch.cat([counts[expected >= 5], counts[small].sum().view(1)])
+    wanted = torch.cat([expected[expected >= 5], expected[small].sum().view(1)])
+    observed, wanted = observed[wanted > 0], wanted[wanted > 0]
+    return float(((observed - wanted) ** 2 / wanted).sum()), len(wanted) - 1
+
+
+def test_chi2_limit_matches_the_table() -> None:
+    for dof, exact in enumerate(CHI2_999, start=1):
+        if dof >= 5:
+            assert abs(chi2_limit(dof) - exact) < 0.02 * exact
+
+
+@pytest.mark.parametrize("shape", [{}, {"temperature": 1.3, "top_k": 3}])
+def test_a_round_of_two_proposals_follows_the_target(models: tuple[GPT, GPT],
+                                                     shape: dict[str, object]) -> None:
+    """Three new tokens with k = 2: the first round proposes two tokens.
+
+    Each run ends one of three ways, told apart by its counts: both proposals accepted and
+    the bonus token drawn (proposed 2, accepted 2); the first accepted and the second
+    rejected, then one token from the target (proposed 2, accepted 1); the first rejected,
+    then a round of one proposal (proposed 3). The joint distribution of the three tokens
+    must be the target's in every case, so all three must occur and the joint must match.
+    """
+    target, draft = models
+    prompt = [1, 2, 0]
+    exact = exact_joint(target, prompt, 3, **shape)
+    gen = torch.Generator().manual_seed(2024)
+    n = 3000
+    counts = torch.zeros(V, V, V)
+    endings = {"all accepted, bonus": 0, "second rejected": 0, "first rejected": 0}
+    for _ in range(n):
+        out = speculative_generate(target, draft, prompt, 3, k=2, generator=gen, **shape)  # type: ignore[arg-type]
+        counts[tuple(out.ids[-3:].tolist())] += 1
+        if out.proposed == 3:
+            endings["first rejected"] += 1
+        else:
+            assert out.proposed == 2 and out.accepted in (1, 2)
+            endings["all accepted, bonus" if out.accepted == 2 else "second rejected"] += 1
+    assert all(count > 50 for count in endings.values()), endings
+    chi2, dof = chi2_statistic(counts, exact * n)
+    assert dof >= 10 and chi2 < chi2_limit(dof), (chi2, dof)
+
+
+@pytest.mark.parametrize("shape", [{}, {"top_p": 0.9}])
+def test_rounds_of_three_proposals_follow_the_target(models: tuple[GPT, GPT],
+                                                     shape: dict[str, object]) -> None:
+    """Five new tokens with k = 3: the joint of all five, and each position's marginal."""
+    target, draft = models
+    prompt = [3, 1]
+    exact = exact_joint(target, prompt, 5, **shape)
+    gen = torch.Generator().manual_seed(77)
+    n = 3000
+    counts = torch.zeros((V,) * 5)
+    proposed = accepted = rejected = 0
+    for _ in range(n):
+        out = speculative_generate(target, draft, prompt, 5, k=3, generator=gen, **shape)  # type: ignore[arg-type]
+        counts[tuple(out.ids[-5:].tolist())] += 1
+        proposed, accepted = proposed + out.proposed, accepted + out.accepted
+        rejected += out.rejected
+        assert out.proposed >= 3  # the first round always proposes three
+    assert 0 < rejected and 0 < accepted < proposed
+    chi2, dof = chi2_statistic(counts, exact * n)
+    assert dof >= 20 and chi2 < chi2_limit(dof), ("joint", chi2, dof)
+    for position in range(5):
+        others = tuple(d for d in range(5) if d != position)
+        chi2, dof = chi2_statistic(counts.sum(others), exact.sum(others) * n)
+        assert chi2 < CHI2_999[dof - 1], (position, chi2, dof)
 
 
 def test_acceptance_rate_counts_checked_proposals(models: tuple[GPT, GPT]) -> None:

@@ -20,6 +20,19 @@ shifted by seed - 1337). --threads N sets OMP_NUM_THREADS=N for both programs; w
 it both use PyTorch's default (one thread per core). --minigpt-args adds options to
 minigpt's command only (e.g. --bf16, which nanoGPT's CPU recipe does not use: a different
 recipe, so not a like-for-like comparison).
+
+--time-to-loss compares recipes instead of steps: nanoGPT's CPU recipe as above (2,000
+steps; its checkpoint every --eval-every steps is kept and scored afterwards on the whole
+validation split) against minigpt's modern recipe (`--recipe modern`, whole-split
+evaluation every --eval-every steps, `--eval-full`), each round in alternation. Training
+time excludes evaluation for both: minigpt's is the sum of its step times; nanoGPT's is the
+sum of its logged iteration times, where an iteration that evaluated and saved is counted
+at the median iteration time. Each round reports the time minigpt's run takes to reach
+nanoGPT's final whole-split loss, as a fraction of nanoGPT's training time, and minigpt's
+loss at nanoGPT's full training time (when its run lasts that long).
+
+    .venv/bin/python tools/bench_nanogpt.py NANOGPT_DIR DATA_TXT --time-to-loss \
+        --rounds 3 --minigpt-steps 1400 [--minigpt-args="--batch-size 32"]
 """
 
 from __future__ import annotations
@@ -104,6 +117,107 @@ print(total / (n * T))
     return float(run.stdout.strip().splitlines()[-1])
 
 
+def nanogpt_curve(folder: Path, seed: int, out: Path, every: int,
+                  steps: int = 2000) -> list[tuple[int, float, float]]:
+    """Run nanoGPT's recipe keeping a checkpoint every ``every`` steps; return (step,
+    training seconds, whole-split validation loss) at each of them."""
+    keep = ("import runpy, torch; save = torch.save; "
+            "torch.save = lambda obj, f, *a, **k: save(obj, str(f).replace("
+            "'ckpt.pt', 'ckpt-%d.pt' % obj['iter_num']), *a, **k); "
+            f"seed = torch.manual_seed; torch.manual_seed = lambda s: seed(s + {seed - 1337}); "
+            "runpy.run_path('train.py', run_name='__main__')")
+    cmd = [sys.executable, "-c", keep, "config/train_shakespeare_char.py", "--device=cpu",
+           "--compile=False", "--eval_iters=20", "--log_interval=1", f"--max_iters={steps}",
+           "--lr_decay_iters=2000", "--dropout=0.0", f"--eval_interval={every}",
+           f"--out_dir={out}", "--always_save_checkpoint=True",
+           *(f"--{k}={v}" for k, v in SHAPE.items())]
+    log = subprocess.run(cmd, cwd=folder, capture_output=True, text=True, check=True,
+                         env=_env({})).stdout
+    ms = {int(i): float(t) for i, t in re.findall(r"^iter (\d+): .*time ([\d.]+)ms", log,
+                                                   flags=re.M)}
+    typical = statistics.median(ms.values())
+    # iteration i's time includes the evaluation and the save made before its step
+    step_ms = [typical if i % every == 0 else ms[i] for i in range(steps)]
+    curve = []
+    for k in range(every, steps + 1, every):
+        ckpt = out / f"ckpt-{k}.pt"
+        curve.append((k, sum(step_ms[:k]) / 1000, nanogpt_full_loss(folder, ckpt)))
+    return curve
+
+
+def minigpt_curve(text: Path, steps: int, seed: int, out: Path, every: int,
+                  extra: list[str]) -> list[tuple[int, float, float]]:
+    """Run `python -m minigpt train --recipe modern`; return (step, training seconds,
+    whole-split validation loss) at each evaluation."""
+    cmd = [sys.executable, "-m", "minigpt", "train", "--text", str(text), "--tokenizer",
+           "char", "--recipe", "modern", f"--max-steps={steps}", "--eval-full",
+           f"--eval-interval={every}", "--eval-steps", "1", "--seed", str(seed),
+           "--out", str(out), "--no-progress", *extra]
+    subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True, env=_env({}))
+    history = json.loads((out / "history.json").read_text())
+    seconds = [0.0]
+    for ms in history["step_ms"]:
+        seconds.append(seconds[-1] + ms / 1000)
+    return [(k, seconds[k], loss) for k, loss in zip(history["eval_step"],
+                                                     history["val_loss"], strict=True)]
+
+
+def time_to(curve: list[tuple[int, float, float]], target: float) -> float | None:
+    """Training seconds at the first evaluation whose loss is at or below ``target``."""
+    return next((t for _, t, loss in curve if loss <= target), None)
+
+
+def loss_at(curve: list[tuple[int, float, float]], seconds: float) -> float | None:
+    """The loss of the last evaluation made within ``seconds`` of training (None if the
+    run stopped earlier than that: its loss there is unknown)."""
+    if curve[-1][1] < seconds * 0.98:  # 2 %: the runs' lengths are matched by steps
+        return None
+    return [loss for _, t, loss in curve if t <= seconds][-1]
+
+
+def time_to_loss(args: argparse.Namespace) -> int:
+    ratios: list[float] = []
+    gaps: list[float] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            seed = args.seed + r if args.vary_seed else args.seed
+            curves = {}
+            for name in (("minigpt", "nanogpt") if r % 2 == 0 else ("nanogpt", "minigpt")):
+                out = Path(tmp, f"{name}-{r}")
+                curves[name] = (nanogpt_curve(args.nanogpt, seed, out, args.eval_every)
+                                if name == "nanogpt" else
+                                minigpt_curve(args.text, args.minigpt_steps, seed, out,
+                                              args.eval_every, args.minigpt_args.split()))
+            _, nano_s, target = curves["nanogpt"][-1]
+            reached = time_to(curves["minigpt"], target)
+            later = loss_at(curves["minigpt"], nano_s)
+            if reached is not None:
+                ratios.append(reached / nano_s)
+            if later is not None:
+                gaps.append(target - later)
+            print(f"round {r + 1} (seed {seed}): nanoGPT {nano_s:.1f} s to {target:.4f}; "
+                  "minigpt reaches it in "
+                  + (f"{reached:.1f} s ({reached / nano_s:.3f}x)" if reached else "never")
+                  + (f", and is at {later:.4f} ({target - later:.3f} lower) at {nano_s:.1f} s"
+                     if later is not None else "") + f"; its final loss "
+                  f"{curves['minigpt'][-1][2]:.4f} after {curves['minigpt'][-1][1]:.1f} s",
+                  flush=True)
+            print("  nanoGPT  " + _curve_text(curves["nanogpt"]), flush=True)
+            print("  minigpt  " + _curve_text(curves["minigpt"]), flush=True)
+    if ratios:
+        print(f"median time to nanoGPT's loss over {len(ratios)} rounds: "
+              f"{statistics.median(ratios):.3f}x (min {min(ratios):.3f}, "
+              f"max {max(ratios):.3f})")
+    if gaps:
+        print(f"median loss below nanoGPT's at its full training time: "
+              f"{statistics.median(gaps):.3f} nats ({len(gaps)} rounds)")
+    return 0
+
+
+def _curve_text(curve: list[tuple[int, float, float]]) -> str:
+    return " ".join(f"{k}:{t:.0f}s:{loss:.3f}" for k, t, loss in curve)
+
+
 THREADS: dict[str, str] = {}  # OMP_NUM_THREADS for both programs, when --threads is given
 
 
@@ -122,12 +236,20 @@ def main() -> int:
     p.add_argument("--threads", type=int, help="OMP_NUM_THREADS for both (default: torch's)")
     p.add_argument("--minigpt-args", default="",
                    help="more options for minigpt's train, e.g. --minigpt-args=--bf16")
+    p.add_argument("--time-to-loss", action="store_true",
+                   help="compare the modern recipe's time to nanoGPT's final loss")
+    p.add_argument("--minigpt-steps", type=int, default=1400,
+                   help="with --time-to-loss: steps of minigpt's run")
+    p.add_argument("--eval-every", type=int, default=100,
+                   help="with --time-to-loss: steps between whole-split evaluations")
     args = p.parse_args()
     if args.threads is not None:
         THREADS["OMP_NUM_THREADS"] = str(args.threads)
     if not (args.nanogpt / "data" / "shakespeare_char" / "train.bin").is_file():
         p.error(f"{args.nanogpt}/data/shakespeare_char/train.bin is missing: run its "
                 "prepare.py with input.txt copied beside it")
+    if args.time_to_loss:
+        return time_to_loss(args)
     ratios: list[float] = []
     times: dict[str, list[float]] = {"minigpt": [], "nanogpt": []}
     with tempfile.TemporaryDirectory() as tmp:

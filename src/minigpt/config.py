@@ -49,8 +49,8 @@ class GPTConfig(BaseModel):
             default d_ff is 8D/3, rounded up to a multiple of 8, for GPT-2's parameters).
         norm: "layernorm" (GPT-2) or "rmsnorm" (no centring, no bias).
         norm_weight: whether each normalisation has a learned gain (False: parameter-free).
-        qk_norm: normalise each head's queries and keys (RMS, over d_k) before their dot
-            product, which bounds the attention logits.
+        qk_norm: normalise each head's queries and keys over d_k (with ``norm``'s kind, no
+            parameters) before their dot product, which bounds the attention logits.
         n_kv_heads: H_kv, key-value heads (grouped-query attention); None means H (GPT-2's
             multi-head attention), 1 is multi-query attention. Must divide n_heads.
         rope_base: the base of the rotary frequencies, theta_i = base^(-2i/d_k).

@@ -8,6 +8,7 @@ Positions are 0..T-1 in code (1..T in the maths).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -432,7 +433,9 @@ class MultiHeadAttention(nn.Module):
         causal: mask the future (a decoder); False gives full attention.
         n_kv_heads: H_kv key-value heads, each shared by H / H_kv query heads
             (grouped-query attention; ``c_attn`` is then D -> (H + 2 H_kv) d_k).
-        qk_norm: RMS-normalise each head's queries and keys (no parameters).
+        qk_norm: normalise each head's queries and keys over their d_k features (no
+            parameters), with ``norm``: "rmsnorm" (RMS 1) or "layernorm" (mean 0, then
+            RMS 1; PyTorch has one fused CPU kernel for it, none for RMSNorm).
         rope: rotate queries and keys by their positions (a `RotaryEmbedding`).
 
     Shapes: x (B, T, D) -> y (B, T, D), and with ``need_weights`` the weights
@@ -450,7 +453,7 @@ class MultiHeadAttention(nn.Module):
     def __init__(
         self, d_model: int, n_heads: int, *, dropout: float = 0.0, bias: bool = True,
         causal: bool = True, n_kv_heads: int | None = None, qk_norm: bool = False,
-        rope: RotaryEmbedding | None = None,
+        norm: str = "rmsnorm", rope: RotaryEmbedding | None = None,
     ) -> None:
         super().__init__()
         if d_model % n_heads != 0:
@@ -465,7 +468,9 @@ class MultiHeadAttention(nn.Module):
         self.c_attn = nn.Linear(d_model, d_model + 2 * d_kv, bias=bias)
         self.c_proj = nn.Linear(d_model, d_model, bias=bias)
         self.resid_dropout = nn.Dropout(dropout)
-        self.qk_norm = qk_norm
+        self.qk_norm: Callable[[Tensor, list[int]], Tensor] | None = None
+        if qk_norm:
+            self.qk_norm = F.rms_norm if norm == "rmsnorm" else F.layer_norm
         self.rope = rope
 
     def forward(
@@ -474,8 +479,8 @@ class MultiHeadAttention(nn.Module):
         q, k, v = self.c_attn(x).split(self.sizes, dim=-1)
         q = split_heads(q, self.n_heads)  # (B, H, T, d_k)
         k, v = split_heads(k, self.n_kv_heads), split_heads(v, self.n_kv_heads)
-        if self.qk_norm:  # every query and key gets RMS 1: |q . k| <= d_k
-            q, k = F.rms_norm(q, q.shape[-1:]), F.rms_norm(k, k.shape[-1:])
+        if self.qk_norm is not None:  # every query and key gets RMS 1: |q . k| <= d_k
+            q, k = self.qk_norm(q, [q.shape[-1]]), self.qk_norm(k, [k.shape[-1]])
         past = 0 if cache is None else cache.length
         if self.rope is not None:  # rotate by the positions P..P+T-1
             q, k = self.rope(q, past), self.rope(k, past)
@@ -575,7 +580,8 @@ class Block(nn.Module):
         super().__init__()
         self.ln_1 = make_norm(norm, d_model, eps=eps, bias=bias, weight=norm_weight)
         self.attn = MultiHeadAttention(d_model, n_heads, dropout=dropout, bias=bias,
-                                       n_kv_heads=n_kv_heads, qk_norm=qk_norm, rope=rope)
+                                       n_kv_heads=n_kv_heads, qk_norm=qk_norm, norm=norm,
+                                       rope=rope)
         self.ln_2 = make_norm(norm, d_model, eps=eps, bias=bias, weight=norm_weight)
         self.mlp = FeedForward(d_model, d_ff, dropout=dropout, bias=bias,
                                activation=activation)

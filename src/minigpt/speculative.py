@@ -8,8 +8,12 @@ max(0, p_i - q_i), normalised, and the round ends. If all k are accepted, the ta
 pass has already computed p_{k+1}, and one more token is drawn from it. The tokens that
 come out are distributed exactly as if drawn from the target alone, one at a time
 (Leviathan et al., 2023; Chen et al., 2023): the draft changes the speed, never the text's
-distribution. Temperature, top-k and top-p reshape p and q alike; with greedy decoding
-both are one-hot and the result is exactly the target's greedy continuation.
+distribution (the same distribution, not the same text: the random draws differ).
+Exactness needs only that the q in the ratio is the distribution the proposal was drawn
+from; temperature, top-k and top-p define the p the tokens follow. Reshaping q like p,
+as done here, is for speed (a q closer to p is accepted more often), not for exactness.
+With greedy decoding both are one-hot and the result is exactly the target's greedy
+continuation, the same text.
 
 Both models keep a key-value cache; the positions of rejected proposals are cropped off.
 Learned absolute positions cannot slide a cached window, so once the sequence fills the
@@ -102,12 +106,12 @@ def speculative_generate(target: GPT, draft: GPT, prompt_ids: Tensor | Sequence[
     """Extend one prompt by ``max_new_tokens`` tokens of the target, k proposed at a time.
 
     Args:
-        target: the model whose distribution the tokens follow.
-        draft: a smaller GPT with the same vocabulary, on the same device.
+        target, draft: the model the tokens follow, and a smaller one of its vocabulary.
         prompt_ids: one prompt, (T,) ids or a list of ints.
-        max_new_tokens: N >= 0.
-        k: proposals per round, >= 1.
-        temperature, top_k, top_p, greedy: as in `minigpt.decoding.generate`, for both.
+        max_new_tokens, k: N >= 0 new tokens; k >= 1 proposals per round.
+        temperature, top_k, top_p, greedy: as in `minigpt.decoding.generate`; they define
+            the target's distribution the tokens follow, and the draft's is reshaped alike
+            (for a higher acceptance rate; exactness does not depend on it).
         generator: the torch.Generator every random draw uses.
         use_cache: keep a key-value cache in both models (False: slower, same tokens).
 
