@@ -17,6 +17,18 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE",
                                      "thorough" if os.environ.get("CI") else "quick"))
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `cuda` run where PyTorch sees a GPU; elsewhere each is reported as
+    skipped, with the reason, in pytest's summary (-ra): never a silent pass."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU, and this machine has none: run "
+                                   "`.venv/bin/python -m pytest -m cuda` on one")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="module")
 def one_thread() -> Iterator[None]:
     """Run a module's tensors on one thread.

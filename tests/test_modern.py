@@ -337,7 +337,7 @@ def test_trapezoid_schedule() -> None:
     assert lrs[0] == 0.1 and lrs[9] == 1.0
     assert all(v == 1.0 for v in lrs[9:60]) and lrs[60] == 1.0 and lrs[61] < 1.0
     assert lrs[100] == 0.1 and lrs[109] == 0.1
-    assert all(a >= b for a, b in zip(lrs[60:], lrs[61:]))
+    assert all(a >= b for a, b in zip(lrs[60:], lrs[61:], strict=False))
     tc = TrainConfig(schedule="trapezoid", max_steps=100, warmup_steps=10, lr=1.0,
                      min_lr=0.1)
     assert [schedule_lr(s, tc) for s in range(100)] == lrs[:100]

@@ -28,6 +28,7 @@ from minigpt.parallel import (
     choose_backend,
     free_port,
     init_distributed,
+    mean_over_ranks,
     rank_batch,
 )
 from minigpt.train import configure_optimizer, train_step
@@ -179,14 +180,15 @@ def test_two_process_resume_continues_the_same_run(runs: Path, tmp_path: Path,
     (["--nproc-per-node", "2", "--batch-size", "4", "--global-batch-size", "12"],
      "--global-batch-size 12 does not split into micro-batches of --batch-size 4 x 2 "
      "processes: it must be a positive multiple of 8"),
-    (["--nproc-per-node", "0"], "--nproc-per-node must be >= 1"),
+    (["--nproc-per-node", "0"], "--nproc-per-node: Input should be greater than or equal to 1"),
     (["--global-batch-size", "8", "--grad-accum", "2"], "not both"),
 ])
 def test_bad_settings_are_refused_before_any_process_starts(
         argv: list[str], needle: str, tmp_path: Path, text_file: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
+    usage = "Input should be" in needle  # a flag's own range: a usage error
     assert main(["train", *TRAIN_FLAGS, *argv, "--text", str(text_file), "--out",
-                 str(tmp_path / "o")]) == 1
+                 str(tmp_path / "o")]) == (2 if usage else 1)
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err
     assert not (tmp_path / "o" / "checkpoint.pt").exists()
@@ -239,3 +241,123 @@ def test_without_torchrun_one_process(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(DistributedError, match="RANK='x' is not an integer"):
         init_distributed("cpu")
+
+
+# ----- collectives on the model's device, evaluation per rank, no_sync under compile ------
+
+
+def test_mean_over_ranks_hands_the_collective_a_tensor_on_the_runs_device(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """NCCL reduces only GPU tensors. The meta device stands in for the GPU, and a wrapped
+    all_reduce (one process posing as rank 0 of 2) records what it is handed."""
+    seen: list[torch.device] = []
+
+    def all_reduce(tensor: torch.Tensor, op: object = None) -> None:
+        seen.append(tensor.device)
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    ctx = DistContext(rank=0, world_size=2, device=torch.device("meta"))
+    out = mean_over_ranks(torch.tensor(1.5, dtype=torch.float64), ctx)
+    assert seen == [torch.device("meta")] and out.device.type == "meta"
+
+
+# Two ranks train a few steps (evaluating twice) with every collective they call wrapped: it
+# records the device of each tensor handed to it and the rows each evaluation forward reads.
+WRAPPED_SCRIPT = textwrap.dedent("""
+    import json, sys, numpy as np, torch, torch.distributed as dist
+    from minigpt import GPT, GPTConfig
+    from minigpt.parallel import init_distributed, shutdown
+    from minigpt.train import TrainConfig, train
+    torch.set_num_threads(1)
+    ctx = init_distributed("cpu")
+    devices = []
+    for name in ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor",
+                 "reduce_scatter_tensor", "reduce", "gather", "scatter"):
+        def wrapped(tensor, *args, _real=getattr(dist, name), **kwargs):
+            first = tensor[0] if isinstance(tensor, list) else tensor
+            devices.append(str(first.device))
+            return _real(tensor, *args, **kwargs)
+        setattr(dist, name, wrapped)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=11, context_length=8, d_model=16, n_heads=2, n_layers=1))
+    eval_rows = []
+    model.register_forward_pre_hook(
+        lambda m, args: None if m.training else eval_rows.append(args[0].shape[0]))
+    data = (np.arange(3000) * 7 % 11).astype(np.uint16)
+    result = train(model, TrainConfig(batch_size=int(sys.argv[2]), max_steps=4, eval_interval=2,
+                                      eval_steps=3, warmup_steps=1), data, data[:500],
+                   progress=False, ctx=ctx)
+    with open(sys.argv[1] + f"/rank{ctx.rank}.json", "w") as f:
+        json.dump({"devices": devices, "eval_rows": sorted(set(eval_rows)),
+                   "model_device": str(next(model.parameters()).device),
+                   "val_loss": result.history.val_loss, "loss": result.history.loss}, f)
+    shutdown(ctx)
+""")
+
+
+def test_each_rank_evaluates_its_share_and_collectives_use_the_models_device(
+        tmp_path: Path) -> None:
+    script = tmp_path / "wrapped.py"
+    script.write_text(WRAPPED_SCRIPT)
+    for r in _ranks(2, [str(script), str(tmp_path), "4"], tmp_path):
+        assert r.returncode == 0, r.stderr
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    (tmp_path / "one").mkdir()
+    single = subprocess.run([sys.executable, str(script), str(tmp_path / "one"), "8"],
+                            capture_output=True, text=True, timeout=300,
+                            env={k: v for k, v in os.environ.items() if k not in (
+                                "RANK", "WORLD_SIZE", "LOCAL_RANK")} | {"OMP_NUM_THREADS": "1"})
+    assert single.returncode == 0, single.stderr
+    one = json.loads((tmp_path / "one" / "rank0.json").read_text())
+    for rank in ranks:
+        assert rank["devices"] and set(rank["devices"]) == {rank["model_device"]}
+        assert rank["eval_rows"] == [4]  # its own rows of each global batch of 8, no more
+        # The same numbers as one process scoring the whole global batches.
+        assert np.allclose(rank["val_loss"], one["val_loss"], rtol=0, atol=1e-5)
+        assert np.allclose(rank["loss"], one["loss"], rtol=0, atol=1e-5)
+    assert one["eval_rows"] == [8] and len(one["val_loss"]) == 3
+
+
+# Counts DDP's gradient all-reduces (a communication hook sees each bucket) in one optimiser
+# step of k micro-batches, eager and through torch.compile.
+NO_SYNC_SCRIPT = textwrap.dedent("""
+    import json, sys, torch
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from minigpt import GPT, GPTConfig
+    from minigpt.parallel import init_distributed, shutdown
+    from minigpt.train import configure_optimizer, train_step, trainee_of
+    torch.set_num_threads(1)
+    ctx = init_distributed("cpu")
+    counts = {}
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=11, context_length=8, d_model=16, n_heads=2,
+                              n_layers=1))
+        trainee = trainee_of(model, ctx, compile=compiled)
+        calls = []
+        def hook(state, bucket):
+            calls.append(1)
+            return default_hooks.allreduce_hook(None, bucket)
+        trainee.register_comm_hook(None, hook)  # through torch.compile's wrapper, if any
+        opt = configure_optimizer(model, lr=1e-3, weight_decay=0.0)
+        x = torch.randint(0, 11, (4, 8), generator=torch.Generator().manual_seed(ctx.rank))
+        for k in (1, 2, 4):
+            calls.clear()
+            train_step(trainee, opt, [(x, x)] * k, grad_clip=1.0)
+            counts[f"{'compiled' if compiled else 'eager'} k={k}"] = len(calls)
+    with open(sys.argv[1] + f"/rank{ctx.rank}.json", "w") as f:
+        json.dump(counts, f)
+    shutdown(ctx)
+""")
+
+
+def test_accumulation_all_reduces_once_per_step_also_under_compile(tmp_path: Path) -> None:
+    script = tmp_path / "no_sync.py"
+    script.write_text(NO_SYNC_SCRIPT)
+    for r in _ranks(2, [str(script), str(tmp_path)], tmp_path):
+        assert r.returncode == 0, r.stderr
+    counts = json.loads((tmp_path / "rank0.json").read_text())
+    once = counts["eager k=1"]
+    assert once >= 1
+    assert counts == {f"{mode} k={k}": once for mode in ("eager", "compiled")
+                      for k in (1, 2, 4)}, counts

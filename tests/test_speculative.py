@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from minigpt import GPT, GPTConfig, generate
-from minigpt.speculative import next_token_distribution, speculative_generate, verify
+from minigpt.decoding import next_token_distribution
+from minigpt.speculative import speculative_generate, verify
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -229,6 +230,20 @@ def test_verify_accepts_with_probability_min_1_p_over_q() -> None:
     # The residual max(0, p - q) = (0.25, 0.05, 0, 0), normalised: 5/6 and 1/6.
     assert set(rejected) <= {0, 1}
     assert abs(rejected.count(0) / len(rejected) - 5 / 6) < 0.03
+
+
+def test_verify_when_p_and_q_differ_only_by_rounding() -> None:
+    """A rejection that only rounding made possible finds an empty residual (every p - q
+    <= 0): the token is drawn from p, never from 0 / 0."""
+    p = torch.softmax(torch.tensor([2.0, 1.0, 0.5, -1.0]), dim=-1)
+    q = p.clone()
+    q[3] = torch.nextafter(p[3], torch.tensor(1.0))  # one ulp more likely under the draft
+    p[3] = 0.0  # and, rounded, impossible under the target: this proposal is rejected
+    gen = torch.Generator().manual_seed(0)
+    results = [verify(p, q, 3, gen) for _ in range(2000)]
+    assert all(not ok for ok, _ in results)
+    drawn = torch.bincount(torch.tensor([t for _, t in results]), minlength=4).double() / 2000
+    assert drawn[3] == 0 and torch.allclose(drawn[:3], p[:3].double(), atol=0.05)
 
 
 def test_nothing_is_mutated(models: tuple[GPT, GPT]) -> None:

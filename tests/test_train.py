@@ -22,6 +22,7 @@ from minigpt.train import (
     estimate_loss,
     full_loss,
     lr_at,
+    restore,
     resume_run,
     save_run,
     train,
@@ -94,13 +95,17 @@ def test_train_config_defaults_are_the_cpu_recipe() -> None:
     assert (c.beta1, c.beta2, c.weight_decay, c.grad_clip, c.eval_steps) == (0.9, 0.99, 0.1, 1.0,
                                                                              20)
     assert TrainConfig(max_steps=300, warmup_steps=10).decay_steps == 300
+    # A run shorter than the default warm-up warms up over its whole schedule.
+    assert TrainConfig(max_steps=50).warmup_steps == 50
+    assert TrainConfig(max_steps=500, decay_steps=40).warmup_steps == 40
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         ({"lr": 1e-4, "min_lr": 1e-3}, r"min_lr \(=0.001\) must not exceed lr"),
-        ({"max_steps": 50}, r"decay_steps \(=50\) must be >= warmup_steps \(=100\)"),
+        ({"max_steps": 50, "warmup_steps": 100},
+         r"warmup_steps \(=100\) must not exceed decay_steps \(=50, by default max_steps\)"),
         ({"lr": 0.0}, "lr"),
         ({"batch_size": 0}, "batch_size"),
         ({"beta2": 1.0}, "beta2"),
@@ -383,3 +388,34 @@ def test_a_compiled_model_still_refuses_out_of_range_ids() -> None:
     assert model(torch.randint(0, V, (2, 8))).shape == (2, 8, V)
     with pytest.raises(RuntimeError, match=rf"token id is out of range.*\[0, {V}\)"):
         model(torch.full((2, 8), V))
+
+
+def test_resume_gives_the_random_states_back_as_cpu_tensors(
+        tmp_path: Path, data: tuple[np.ndarray, np.ndarray]) -> None:
+    """A run on a GPU resumes with the generators' states on the CPU (the only place
+    `torch.set_rng_state` and `Generator.set_state` take them). The meta device stands in
+    for the GPU: loading the checkpoint onto the run's device would put the states there."""
+    tc = run_config(max_steps=4, eval_interval=2)
+    train(tiny_config(dropout=0.1), tc, *data, progress=False, out_dir=tmp_path, stop_at=2)
+    saved = load_checkpoint(tmp_path)["rng"]
+    model = GPT(tiny_config(dropout=0.1))
+    optimizer = configure_optimizer(model, lr=1e-3, weight_decay=0.1)
+    batch_gen = torch.Generator()
+    torch.manual_seed(12345)
+    gpu = DistContext(device=torch.device("meta"))
+    step, history, _ = restore(tmp_path, model, optimizer, tc, batch_gen, gpu, None)
+    assert step == 2 and history.step == [0, 1]
+    assert torch.equal(torch.get_rng_state(), saved["torch"])
+    assert torch.equal(batch_gen.get_state(), saved["batches"])
+
+
+@pytest.mark.cuda
+def test_resume_on_a_gpu_continues_the_same_run(tmp_path: Path,
+                                                data: tuple[np.ndarray, np.ndarray]) -> None:
+    cfg, tc = tiny_config(dropout=0.2), run_config(max_steps=8, eval_interval=4, device="cuda")
+    straight = train(cfg, tc, *data, progress=False, out_dir=tmp_path / "a")
+    train(cfg, tc, *data, progress=False, out_dir=tmp_path / "b", stop_at=4)
+    resumed = train(cfg, tc, *data, progress=False, out_dir=tmp_path / "b", resume=True)
+    assert resumed.history.loss == straight.history.loss
+    assert resumed.history.val_loss == straight.history.val_loss
+    assert "cuda" in load_checkpoint(tmp_path / "b")["rng"]["ranks"][0]

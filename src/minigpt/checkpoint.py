@@ -10,19 +10,23 @@ which executes no code from the file.
 
 from __future__ import annotations
 
-import io
+import errno
 import pickle
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from minigpt.assets import atomic_write
+from minigpt.assets import atomic_file
 
 CHECKPOINT_NAME = "checkpoint.pt"
 #: 2 added ``world_size`` and one random state per process; format 1 files read as one process.
 CHECKPOINT_FORMAT = 2
 READABLE_FORMATS = (1, 2)
+#: What torch.load raises for a truncated or corrupted file (found by flipping and cutting
+#: bytes of a checkpoint; its zip reader also raises OSError EINVAL); anything else (a failing
+#: disk, a permission, memory) is not about the file's content.
+DAMAGED = (RuntimeError, ValueError, EOFError, KeyError, IndexError, TypeError)
 _ENTRIES = {"format", "model", "optimizer", "model_config", "train_config", "step", "rng",
             "history", "tokenizer"}
 
@@ -31,15 +35,15 @@ def save_checkpoint(path: Path | str, payload: dict[str, Any]) -> Path:
     """Write ``payload`` (the entries listed in `_ENTRIES` but ``format``) to ``path``.
 
     The bytes go to a temporary file in the same folder, are flushed to disk, and replace
-    ``path`` in one rename, so a crash mid-write never leaves a torn checkpoint.
+    ``path`` in one rename, so a crash mid-write never leaves a torn checkpoint
+    (`minigpt.assets.atomic_file`).
     """
     missing = _ENTRIES - {"format"} - set(payload)
     if missing:
         raise ValueError(f"a checkpoint needs the entries {sorted(missing)}")
-    buffer = io.BytesIO()
-    torch.save({"format": CHECKPOINT_FORMAT} | payload, buffer)
     path = Path(path)
-    atomic_write(path, buffer.getvalue())
+    with atomic_file(path) as f:  # straight to the file: no second copy in memory
+        torch.save({"format": CHECKPOINT_FORMAT} | payload, f)
     return path
 
 
@@ -64,7 +68,9 @@ def load_checkpoint(path: Path | str, *, map_location: str | torch.device = "cpu
     except pickle.UnpicklingError:
         raise ValueError(f"{path} is not a readable checkpoint: not a torch file, or one "
                          "holding objects that safe (weights_only) loading refuses") from None
-    except Exception as err:  # torch raises several types for a damaged file
+    except (*DAMAGED, OSError) as err:
+        if isinstance(err, OSError) and err.errno != errno.EINVAL:
+            raise  # a disk or permission problem, not the file's content
         # The first sentence says what failed; torch goes on with generic advice.
         reason = str(err).splitlines()[0].split(". ")[0] if str(err) else type(err).__name__
         raise ValueError(f"{path} is not a readable checkpoint (damaged or truncated? "

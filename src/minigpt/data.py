@@ -140,6 +140,25 @@ def shakespeare_text(plays: Iterable[str] | None = None, *, cache: Path | None =
     return text
 
 
+def read_text(path: Path | str) -> str:
+    """A UTF-8 text file's contents, refused with the reason when the path is missing, is
+    not a regular file (a folder, /dev/null, a pipe), is not UTF-8, or is empty."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file")
+    if not path.is_file():
+        raise ValueError(f"{path} is not a regular file (a folder, device or pipe); give a "
+                         "UTF-8 text file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start})"
+                         ) from None
+    if not text:
+        raise ValueError(f"{path} is empty; give a text to train on")
+    return text
+
+
 # --------------------------------------------------------------- ids on disk, and batches
 
 def split_text(text: str, train_fraction: float = 0.9) -> tuple[str, str]:

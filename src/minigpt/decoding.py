@@ -18,7 +18,8 @@ window at each step, exactly as the uncached loop does it.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import torch
@@ -59,13 +60,12 @@ def apply_temperature(logits: Tensor, temperature: float) -> Tensor:
     Returns:
         A new tensor (..., V).
     """
-    tau = _check_real("temperature", temperature)
-    if tau <= 0.0:
+    if not temperature > 0.0:  # NaN too
         raise ValueError(
-            f"temperature must be > 0 to rescale logits, got {tau}; "
+            f"temperature must be > 0 to rescale logits, got {temperature}; "
             "generate() treats temperature=0 as greedy decoding"
         )
-    return logits / tau
+    return logits / temperature
 
 
 def top_k_filter(logits: Tensor, k: int) -> Tensor:
@@ -81,7 +81,6 @@ def top_k_filter(logits: Tensor, k: int) -> Tensor:
     Returns:
         A new tensor (..., V), -inf outside the top k.
     """
-    k = _check_int("top_k", k)
     vocab_size = logits.shape[-1]
     if not 1 <= k <= vocab_size:
         raise ValueError(f"top_k must lie in [1, V] = [1, {vocab_size}], got {k}")
@@ -104,8 +103,7 @@ def top_p_filter(logits: Tensor, p: float) -> Tensor:
     Returns:
         A new tensor (..., V), -inf outside the nucleus.
     """
-    p = _check_real("top_p", p)
-    if not 0.0 < p <= 1.0:
+    if not 0.0 < p <= 1.0:  # NaN too
         raise ValueError(f"top_p must lie in (0, 1], got {p}")
     if p == 1.0:
         # Rounding in the cumulative sum could drop the least likely tokens.
@@ -118,6 +116,37 @@ def top_p_filter(logits: Tensor, p: float) -> Tensor:
     # back to vocabulary order
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
+
+
+def next_token_distribution(logits: Tensor, *, temperature: float = 1.0,
+                            top_k: int | None = None, top_p: float | None = None,
+                            greedy: bool = False) -> Tensor:
+    """The distribution a sampler draws from: logits (..., V) -> probabilities (..., V).
+
+    Greedy decoding (or temperature 0) is the one-hot distribution of the argmax.
+    """
+    if greedy or temperature == 0.0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
+    logits = apply_temperature(logits, temperature)
+    if top_k is not None:
+        logits = top_k_filter(logits, top_k)
+    if top_p is not None:
+        logits = top_p_filter(logits, top_p)
+    return torch.softmax(logits, dim=-1)
+
+
+@contextmanager
+def eval_mode(*models: nn.Module) -> Iterator[None]:
+    """Run the block with ``models`` in eval mode (no dropout), then give each back the mode
+    it was in, even if the block raises."""
+    modes = [model.training for model in models]
+    for model in models:
+        model.eval()
+    try:
+        yield
+    finally:
+        for model, mode in zip(models, modes, strict=True):
+            model.train(mode)
 
 
 def _check_model(model: nn.Module, use_cache: object) -> Any:
@@ -251,24 +280,16 @@ def generate(
     if squeeze:
         seq = seq.unsqueeze(0)
     cache: KVCache | None = model.new_cache() if use_cache else None  # type: ignore[operator]
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         for _ in range(max_new_tokens):
             logits = _next_logits(model, seq, config.context_length, cache)  # (B, V)
-            if greedy or tau == 0.0:
-                next_id = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+            probs = next_token_distribution(logits, temperature=tau, top_k=top_k,
+                                            top_p=top_p, greedy=greedy)
+            if greedy or tau == 0.0:  # one-hot: no need to draw
+                next_id = probs.argmax(dim=-1, keepdim=True)  # (B, 1)
             else:
-                logits = apply_temperature(logits, tau)
-                if top_k is not None:
-                    logits = top_k_filter(logits, top_k)
-                if top_p is not None:
-                    logits = top_p_filter(logits, top_p)
-                probs = torch.softmax(logits, dim=-1)
                 next_id = torch.multinomial(probs, num_samples=1, generator=generator)
             seq = torch.cat([seq, next_id], dim=1)
-    finally:
-        model.train(was_training)
     return seq[0] if squeeze else seq
 
 
@@ -291,16 +312,9 @@ class BeamSearchResult(NamedTuple):
 
 
 @torch.no_grad()
-def beam_search(
-    model: nn.Module,
-    prompt_ids: Tensor | Sequence[int],
-    max_new_tokens: int,
-    *,
-    num_beams: int,
-    length_penalty: float = 0.0,
-    eos_id: int | None = None,
-    use_cache: bool = True,
-) -> BeamSearchResult:
+def beam_search(model: nn.Module, prompt_ids: Tensor | Sequence[int], max_new_tokens: int, *,
+                num_beams: int, length_penalty: float = 0.0, eos_id: int | None = None,
+                use_cache: bool = True) -> BeamSearchResult:
     """Search for a likely continuation by keeping the ``num_beams`` best prefixes.
 
     Each step extends every kept prefix (a beam) by every token of the
@@ -317,41 +331,21 @@ def beam_search(
     Args:
         model: a GPT.
         prompt_ids: one prompt, (T,) ids or a list of ints.
-        max_new_tokens: N >= 0.
-        num_beams: K >= 1.
+        max_new_tokens, num_beams: N >= 0 new tokens, K >= 1 beams.
         length_penalty: alpha, a finite number.
         eos_id: a token id that ends a hypothesis, or None.
-        use_cache: keep one key-value cache for all beams, reordered as they
-            are selected.
+        use_cache: keep one key-value cache for all beams, reordered as chosen.
 
-    Returns:
-        A `BeamSearchResult` with min(K, number of distinct hypotheses)
-        rows, best first.
+    Returns a `BeamSearchResult`: min(K, distinct hypotheses) rows, best first.
     """
-    config = _check_model(model, use_cache)
-    ids = _prompt_tensor(prompt_ids, config.vocab_size)
-    if ids.dim() != 1:
-        raise ValueError(f"beam_search takes one prompt of shape (T,), got {tuple(ids.shape)}; "
-                         "search each prompt of a batch on its own")
-    _check_count("max_new_tokens", max_new_tokens)
-    num_beams = _check_int("num_beams", num_beams)
-    if num_beams < 1:
-        raise ValueError(f"num_beams must be >= 1, got {num_beams}")
-    alpha = _check_real("length_penalty", length_penalty)
-    if eos_id is not None:
-        eos_id = _check_int("eos_id", eos_id)
-        if not 0 <= eos_id < config.vocab_size:
-            raise ValueError(f"eos_id must lie in [0, {config.vocab_size}), got {eos_id}")
-
+    config, ids, alpha = _check_beam_args(model, prompt_ids, max_new_tokens, num_beams,
+                                          length_penalty, eos_id, use_cache)
     device = next(model.parameters()).device
     seq = ids.to(device=device, dtype=torch.long, copy=True).unsqueeze(0)  # (1, T): one beam
-    log_probs = torch.zeros(1, device=device)  # (K,)
-    lengths = torch.zeros(1, dtype=torch.long, device=device)  # (K,)
-    done = torch.zeros(1, dtype=torch.bool, device=device)  # (K,)
+    log_probs = torch.zeros(1, device=device)  # (K,), and (K,) lengths and finished flags:
+    lengths, done = torch.zeros(1, dtype=torch.long, device=device), log_probs.bool()
     cache: KVCache | None = model.new_cache() if use_cache else None  # type: ignore[operator]
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         for _ in range(max_new_tokens):
             if bool(done.all()):
                 break
@@ -371,12 +365,26 @@ def beam_search(
             log_probs = best.values
             if cache is not None:
                 cache.reorder(beam)
-    finally:
-        model.train(was_training)
     missing = ids.shape[0] + max_new_tokens - seq.shape[1]
     if missing > 0:  # every beam finished early: pad with eos
-        assert eos_id is not None
-        seq = torch.cat([seq, seq.new_full((seq.shape[0], missing), eos_id)], dim=1)
+        seq = torch.cat([seq, seq.new_full((seq.shape[0], missing), int(eos_id or 0))], dim=1)
     scores = log_probs / lengths.clamp(min=1).float() ** alpha
     order = torch.argsort(scores, descending=True, stable=True)
     return BeamSearchResult(seq[order], scores[order], log_probs[order], lengths[order])
+
+
+def _check_beam_args(model: nn.Module, prompt_ids: object, max_new_tokens: object,
+                     num_beams: object, length_penalty: object, eos_id: object,
+                     use_cache: object) -> tuple[Any, Tensor, float]:
+    """Check beam_search's arguments where they enter; returns (config, ids, alpha)."""
+    config = _check_model(model, use_cache)
+    ids = _prompt_tensor(prompt_ids, config.vocab_size)  # type: ignore[arg-type]
+    if ids.dim() != 1:
+        raise ValueError(f"beam_search takes one prompt of shape (T,), got {tuple(ids.shape)}; "
+                         "search each prompt of a batch on its own")
+    _check_count("max_new_tokens", max_new_tokens)
+    if _check_int("num_beams", num_beams) < 1:
+        raise ValueError(f"num_beams must be >= 1, got {num_beams}")
+    if eos_id is not None and not 0 <= _check_int("eos_id", eos_id) < config.vocab_size:
+        raise ValueError(f"eos_id must lie in [0, {config.vocab_size}), got {eos_id}")
+    return config, ids, _check_real("length_penalty", length_penalty)

@@ -160,10 +160,11 @@ def rank_batch(
 
 
 def mean_over_ranks(value: Tensor, ctx: DistContext) -> Tensor:
-    """The mean of a tensor over the ranks (itself for a single process)."""
+    """The mean of a tensor over the ranks (itself for a single process), on ``ctx.device``:
+    NCCL reduces only tensors on the GPU."""
     if not ctx.distributed:
         return value
-    value = value.clone()
+    value = value.to(ctx.device, copy=True)
     dist.all_reduce(value, op=dist.ReduceOp.SUM)
     return value / ctx.world_size
 
@@ -179,8 +180,8 @@ def gather(obj: Any, ctx: DistContext) -> list[Any]:
 
 def barrier(ctx: DistContext) -> None:
     """Wait until every rank gets here."""
-    if ctx.distributed:
-        dist.barrier()
+    if ctx.distributed:  # NCCL's barrier runs on this rank's GPU
+        dist.barrier(device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -3,7 +3,7 @@
     model, tokenizer, step = load_model("runs/char")
     generate(model, tokenizer.encode("ROMEO:"), 200)
 
-The command line does the same (`minigpt.cli`):
+`sample_texts(SampleSettings(...))` is what the command line runs (`minigpt.cli`):
 
     python -m minigpt sample --checkpoint runs/char --prompt "ROMEO:" --max-new-tokens 200
     python -m minigpt sample --checkpoint runs/char --prompt "ROMEO:" --beams 4
@@ -11,14 +11,18 @@ The command line does the same (`minigpt.cli`):
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from minigpt.checkpoint import load_checkpoint
 from minigpt.config import GPTConfig
+from minigpt.decoding import beam_search, generate
 from minigpt.model import GPT
+from minigpt.speculative import speculative_generate
 from minigpt.tokenizer import Tokenizer, tokenizer_from_dict
 
 
@@ -48,3 +52,97 @@ def load_model(checkpoint: Path | str, *, device: str | torch.device = "cpu") ->
     except (RuntimeError, KeyError, TypeError, ValueError) as err:  # incl. pydantic's
         raise ValueError(f"the checkpoint in {checkpoint} is inconsistent: {err}") from None
     return LoadedModel(model.to(device).eval(), tokenizer, int(ckpt["step"]))
+
+
+class SampleSettings(BaseModel):
+    """What `sample_texts` continues, and how (`python -m minigpt sample`'s flags, one a
+    field)."""
+
+    checkpoint: Path = Field(description="the --out directory of `python -m minigpt train`")
+    prompt: str = Field("\n", min_length=1, description="text to continue")
+    max_new_tokens: int = Field(500, ge=0, description="tokens to add")
+    temperature: float | None = Field(None, ge=0, description="1 by default; 0 is greedy")
+    top_k: int | None = Field(None, ge=1, description="sample among the k most likely only")
+    top_p: float | None = Field(None, gt=0, le=1, description="sample from the smallest set "
+                                "of most likely tokens whose mass reaches p")
+    greedy: bool = Field(False, description="always take the most likely token")
+    seed: int = Field(1337, ge=0, description="seeds the sampler")
+    num_samples: int = Field(1, ge=1, description="independent continuations to print")
+    cache: bool = Field(True, description="keep a key-value cache (--no-cache: slower, "
+                                          "same tokens)")
+    device: str = Field("cpu", description="cpu, cuda, cuda:1, ...")
+    beams: int | None = Field(None, ge=1, description="beam search with this many beams: the "
+                              "most likely continuation found, no sampling")
+    draft: Path | None = Field(None, description="speculative sampling: a smaller model's "
+                               "checkpoint (same tokenizer) proposes, this one checks")
+    speculate: int | None = Field(None, ge=1, description="tokens the draft proposes per "
+                                  "round (default 4; needs --draft)")
+
+    @field_validator("device")
+    @classmethod
+    def _a_device(cls, device: str) -> str:
+        try:
+            torch.device(device)
+        except RuntimeError:
+            raise ValueError(f"{device!r} is not a torch device (cpu, cuda, cuda:1)") from None
+        return device
+
+    @model_validator(mode="after")
+    def _combinable(self) -> SampleSettings:
+        sampling = [f"--{k.replace('_', '-')}" for k in ("temperature", "top_k", "top_p")
+                    if getattr(self, k) is not None]
+        sampling += ["--greedy"] * self.greedy + ["--num-samples"] * (self.num_samples != 1)
+        if self.beams is not None and sampling:
+            raise ValueError(f"--beams searches for the most likely continuation and does not "
+                             f"sample; drop {', '.join(sampling)}")
+        if self.speculate is not None and self.draft is None:
+            raise ValueError("--speculate needs --draft, the checkpoint of the draft model")
+        if self.draft is not None and not self.cache:
+            raise ValueError("--draft keeps key-value caches; drop --no-cache")
+        return self
+
+
+def sample_texts(args: SampleSettings) -> list[str]:
+    """The continuations of ``args.prompt`` by the checkpoint ``args.checkpoint``: sampled,
+    found by beam search (``beams``) or sampled speculatively with a draft (``draft``; the
+    acceptance rate goes to stderr)."""
+    model, tokenizer, _ = load_model(args.checkpoint, device=args.device)
+    try:
+        ids = tokenizer.encode(args.prompt)
+    except ValueError as err:
+        raise ValueError(f"--prompt cannot be encoded by the {tokenizer.name} tokenizer of "
+                         f"this checkpoint: {err}") from None
+    tau = 1.0 if args.temperature is None else args.temperature
+    gen = torch.Generator(args.device).manual_seed(args.seed)
+    if args.draft is not None:
+        out = _speculate(args, model, tokenizer, ids, tau, gen)
+    elif args.beams is not None:
+        out = beam_search(model, ids, args.max_new_tokens, num_beams=args.beams,
+                          use_cache=args.cache).sequences[:1]  # the best
+    else:
+        out = generate(model, torch.tensor([ids] * args.num_samples), args.max_new_tokens,
+                       temperature=tau, top_k=args.top_k, top_p=args.top_p, greedy=args.greedy,
+                       generator=gen, use_cache=args.cache)
+    return [tokenizer.decode(row) for row in out.tolist()]
+
+
+def _speculate(args: SampleSettings, model: Any, tokenizer: Any, ids: list[int], tau: float,
+               gen: torch.Generator) -> torch.Tensor:
+    """--draft: every sample by speculative sampling; the acceptance rate goes to stderr."""
+    draft, draft_tokenizer, _ = load_model(args.draft or "", device=args.device)
+    if draft_tokenizer.to_dict() != tokenizer.to_dict():
+        raise ValueError(f"--draft {args.draft} was trained with another tokenizer "
+                         f"({draft_tokenizer.name}, V={draft.config.vocab_size}) than "
+                         f"--checkpoint ({tokenizer.name}, V={model.config.vocab_size}); "
+                         "the draft must share the target's tokenizer")
+    runs = [speculative_generate(model, draft, ids, args.max_new_tokens, k=args.speculate or 4,
+                                 temperature=tau, top_k=args.top_k, top_p=args.top_p,
+                                 greedy=args.greedy, generator=gen)
+            for _ in range(args.num_samples)]
+    accepted, checked = sum(r.accepted for r in runs), sum(r.accepted + r.rejected for r in runs)
+    if checked:
+        passes = max(1, sum(r.target_passes for r in runs))
+        print(f"speculative sampling: {accepted}/{checked} proposals accepted "
+              f"({accepted / checked:.0%}), {len(runs) * args.max_new_tokens / passes:.2f} "
+              "tokens per pass of the target", file=sys.stderr)
+    return torch.stack([r.ids for r in runs])

@@ -36,9 +36,8 @@ from minigpt.decoding import (
     _check_sampling,
     _next_logits,
     _prompt_tensor,
-    apply_temperature,
-    top_k_filter,
-    top_p_filter,
+    eval_mode,
+    next_token_distribution,
 )
 from minigpt.model import GPT
 
@@ -79,23 +78,6 @@ class SpeculativeResult(NamedTuple):
         return new / self.target_passes if self.target_passes else float("nan")
 
 
-def next_token_distribution(logits: Tensor, *, temperature: float = 1.0,
-                            top_k: int | None = None, top_p: float | None = None,
-                            greedy: bool = False) -> Tensor:
-    """The distribution a sampler draws from: logits (..., V) -> probabilities (..., V).
-
-    Greedy decoding (or temperature 0) is the one-hot distribution of the argmax.
-    """
-    if greedy or temperature == 0.0:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
-    logits = apply_temperature(logits, temperature)
-    if top_k is not None:
-        logits = top_k_filter(logits, top_k)
-    if top_p is not None:
-        logits = top_p_filter(logits, top_p)
-    return torch.softmax(logits, dim=-1)
-
-
 def verify(p: Tensor, q: Tensor, token: int,
            generator: torch.Generator | None = None) -> tuple[bool, int]:
     """Check one proposal ``token`` drawn from q (V,) against the target's p (V,).
@@ -108,64 +90,45 @@ def verify(p: Tensor, q: Tensor, token: int,
     if u * q[token] < p[token]:
         return True, token
     residual = (p - q).clamp(min=0.0)
-    y = torch.multinomial(residual / residual.sum(), 1, generator=generator)
+    mass = residual.sum()
+    # p and q equal to rounding: so is this rejection, and the residual is empty (0 / 0)
+    dist = residual / mass if mass > torch.finfo(p.dtype).eps else p
+    y = torch.multinomial(dist, 1, generator=generator)
     return False, int(y)
 
 
 @torch.no_grad()
-def speculative_generate(
-    target: GPT,
-    draft: GPT,
-    prompt_ids: Tensor | Sequence[int],
-    max_new_tokens: int,
-    *,
-    k: int = 4,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    greedy: bool = False,
-    generator: torch.Generator | None = None,
-    use_cache: bool = True,
-) -> SpeculativeResult:
+def speculative_generate(target: GPT, draft: GPT, prompt_ids: Tensor | Sequence[int],
+                         max_new_tokens: int, *, k: int = 4, temperature: float = 1.0,
+                         top_k: int | None = None, top_p: float | None = None,
+                         greedy: bool = False, generator: torch.Generator | None = None,
+                         use_cache: bool = True) -> SpeculativeResult:
     """Extend one prompt by ``max_new_tokens`` tokens of the target, k proposed at a time.
 
     Args:
-        target: the model whose distribution the tokens follow.
-        draft: a smaller GPT with the same vocabulary, on the same device.
+        target, draft: the model the tokens follow, and a smaller one of its vocabulary.
         prompt_ids: one prompt, (T,) ids or a list of ints.
-        max_new_tokens: N >= 0.
-        k: proposals per round, >= 1.
+        max_new_tokens, k: N >= 0 new tokens; k >= 1 proposals per round.
         temperature, top_k, top_p, greedy: as in `minigpt.decoding.generate`; they define
             the target's distribution the tokens follow, and the draft's is reshaped alike
             (for a higher acceptance rate; exactness does not depend on it).
         generator: the torch.Generator every random draw uses.
-        use_cache: keep a key-value cache in both models (False: every pass re-reads the
-            whole sequence; slower, same tokens).
+        use_cache: keep a key-value cache in both models (False: slower, same tokens).
 
-    Returns:
-        A `SpeculativeResult`. The prompt and both models are left as they were.
+    Returns a `SpeculativeResult`. The prompt and both models are left as they were.
     """
-    tau = _check_args(target, draft, k, temperature, top_k, top_p, greedy, generator)
+    tau, ids = _check_args(target, draft, prompt_ids, max_new_tokens, k, temperature, top_k,
+                           top_p, greedy, generator, use_cache)
     shape = partial(next_token_distribution, temperature=tau, top_k=top_k, top_p=top_p,
                     greedy=greedy)  # the same reshaping for p and q
-    ids = _prompt_tensor(prompt_ids, target.config.vocab_size)
-    if ids.dim() != 1:
-        raise ValueError(f"speculative_generate takes one prompt of shape (T,), got "
-                         f"{tuple(ids.shape)}")
-    _check_count("max_new_tokens", max_new_tokens)
     device = next(target.parameters()).device
     seq = ids.to(device=device, dtype=torch.long, copy=True).unsqueeze(0)  # (1, n)
     end = seq.shape[1] + max_new_tokens
     context = min(target.config.context_length, draft.config.context_length)
-    if not isinstance(use_cache, bool):
-        raise TypeError(f"use_cache must be a bool, got {type(use_cache).__name__}")
     t_cache = target.new_cache() if use_cache else None
     d_cache = draft.new_cache() if use_cache else None
-    modes = target.training, draft.training
-    target.eval()
-    draft.eval()
     passes, draft_passes, proposed, accepted, rejected = 0, 0, 0, 0, 0
-    try:
+    with eval_mode(target, draft):
         while seq.shape[1] < end:
             n = seq.shape[1]
             kk = min(k, context - n, end - n - 1)  # proposals that fit the context and N
@@ -185,30 +148,32 @@ def speculative_generate(
             new = proposals[:, t_cache.length:] if t_cache is not None else proposals
             ps = shape(target(new, cache=t_cache)[0, -(kk + 1):].float())
             passes += 1
-            m, extra = 0, None
-            for i in range(kk):
-                ok, token = verify(ps[i], qs[i], int(proposals[0, n + i]), generator)
-                if not ok:
-                    extra = token
-                    break
-                m += 1
-            if extra is None:  # all accepted: the target's pass gives one more for free
-                extra = int(torch.multinomial(ps[kk], 1, generator=generator))
+            m, extra = _accepted(ps, qs, proposals[0, n:], generator)
             proposed, accepted = proposed + kk, accepted + m
             rejected += m < kk
             seq = torch.cat([proposals[:, :n + m], seq.new_tensor([[extra]])], dim=1)
             for cache in (t_cache, d_cache):  # forget the rejected proposals
                 if cache is not None:
                     cache.crop(min(cache.length, seq.shape[1] - 1))
-    finally:
-        target.train(modes[0])
-        draft.train(modes[1])
     return SpeculativeResult(seq[0, :end], ids.shape[0], passes, draft_passes, proposed,
                              accepted, rejected)
 
 
-def _check_args(target: object, draft: object, k: object, temperature: object,
-                top_k: object, top_p: object, greedy: object, generator: object) -> float:
+def _accepted(ps: Tensor, qs: list[Tensor], proposals: Tensor,
+              generator: torch.Generator | None) -> tuple[int, int]:
+    """Check the kk proposals in order: how many are accepted, and the token that follows
+    them (drawn from a residual at the first rejection, else from p_{kk+1})."""
+    for i, q in enumerate(qs):
+        ok, token = verify(ps[i], q, int(proposals[i]), generator)
+        if not ok:
+            return i, token
+    return len(qs), int(torch.multinomial(ps[len(qs)], 1, generator=generator))
+
+
+def _check_args(target: object, draft: object, prompt_ids: object, max_new_tokens: object,
+                k: object, temperature: object, top_k: object, top_p: object, greedy: object,
+                generator: object, use_cache: object) -> tuple[float, Tensor]:
+    """Check the arguments where they enter; returns the temperature and the prompt."""
     for name, model in (("target", target), ("draft", draft)):
         if not isinstance(model, GPT):
             raise TypeError(f"{name} must be a minigpt GPT, got {type(model).__name__}")
@@ -219,9 +184,16 @@ def _check_args(target: object, draft: object, k: object, temperature: object,
                          "share one tokenizer")
     if next(target.parameters()).device != next(draft.parameters()).device:
         raise ValueError("the draft and the target must be on the same device")
+    if not isinstance(use_cache, bool):
+        raise TypeError(f"use_cache must be a bool, got {type(use_cache).__name__}")
+    ids = _prompt_tensor(prompt_ids, target.config.vocab_size)  # type: ignore[arg-type]
+    if ids.dim() != 1:
+        raise ValueError(f"speculative_generate takes one prompt of shape (T,), got "
+                         f"{tuple(ids.shape)}")
+    _check_count("max_new_tokens", max_new_tokens)
     k = _check_int("k", k)
     if k < 1:
         raise ValueError(f"k (proposals per round) must be >= 1, got {k}")
     tau = _check_sampling(target.config.vocab_size, temperature, top_k, top_p, greedy,
                           generator)
-    return tau
+    return tau, ids

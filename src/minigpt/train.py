@@ -16,12 +16,14 @@ from the command line (`minigpt.cli`) and writes `metrics.json` and `checkpoint.
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal, cast
 from unittest import mock
@@ -31,12 +33,12 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor, nn
-from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm  # plain text bar: works in a terminal and a notebook alike
 
+from minigpt.assets import atomic_write
 from minigpt.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
 from minigpt.config import GPTConfig
-from minigpt.data import get_batch
+from minigpt.decoding import eval_mode
 from minigpt.model import GPT
 from minigpt.parallel import (
     DistContext,
@@ -89,23 +91,36 @@ class TrainConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    batch_size: int = Field(default=12, ge=1)
-    grad_accum: int = Field(default=1, ge=1)
-    max_steps: int = Field(default=2000, ge=0)
-    lr: float = Field(default=1e-3, gt=0.0)
-    min_lr: float = Field(default=1e-4, ge=0.0)
-    warmup_steps: int = Field(default=100, ge=0)
-    decay_steps: int | None = Field(default=None, ge=0)
-    weight_decay: float = Field(default=0.1, ge=0.0)
-    beta1: float = Field(default=0.9, ge=0.0, lt=1.0)
-    beta2: float = Field(default=0.99, ge=0.0, lt=1.0)
-    grad_clip: float = Field(default=1.0, ge=0.0)
-    eval_interval: int = Field(default=250, ge=1)
-    eval_steps: int = Field(default=20, ge=1)
+    batch_size: int = Field(default=12, ge=1,
+                            description="B, sequences per micro-batch (per process)")
+    grad_accum: int = Field(default=1, ge=1, description="micro-batches per optimiser step")
+    max_steps: int = Field(default=2000, ge=0, description="optimiser steps of the whole run")
+    lr: float = Field(default=1e-3, gt=0.0,
+                      description="peak learning rate, reached after the warm-up")
+    min_lr: float = Field(default=1e-4, ge=0.0,
+                          description="the learning rate the cosine decays to")
+    warmup_steps: int = Field(default=100, ge=0,
+                              description="steps of linear warm-up (by default at most "
+                                          "decay_steps, so that a short run needs no flag)")
+    decay_steps: int | None = Field(default=None, ge=0,
+                                    description="the step at which the cosine reaches min_lr "
+                                                "(default: max_steps)")
+    weight_decay: float = Field(default=0.1, ge=0.0,
+                                description="AdamW's weight decay, on matrices only")
+    beta1: float = Field(default=0.9, ge=0.0, lt=1.0,
+                         description="AdamW's first-moment decay rate")
+    beta2: float = Field(default=0.99, ge=0.0, lt=1.0,
+                         description="AdamW's second-moment decay rate")
+    grad_clip: float = Field(default=1.0, ge=0.0,
+                             description="largest gradient norm, 0 for no clipping")
+    eval_interval: int = Field(default=250, ge=1,
+                               description="evaluate and checkpoint every this many steps")
+    eval_steps: int = Field(default=20, ge=1, description="batches per split in each evaluation")
     eval_full: bool = False
-    seed: int = Field(default=1337, ge=0)
-    bf16: bool = False
-    device: str = "cpu"
+    seed: int = Field(default=1337, ge=0,
+                      description="seeds the initial weights, the batches and dropout")
+    bf16: bool = Field(default=False, description="bf16 autocast for forward passes")
+    device: str = Field(default="cpu", description="cpu, cuda, cuda:1, ...")
     optimizer: Literal["adamw", "muon"] = "adamw"
     muon_lr: float = Field(default=0.02, gt=0.0)
     muon_momentum: float = Field(default=0.95, ge=0.0, lt=1.0)
@@ -114,12 +129,17 @@ class TrainConfig(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _default_decay_steps(cls, data: Any) -> Any:
+    def _default_schedule(cls, data: Any) -> Any:
         # Resolved once, here, so that a checkpoint keeps the schedule it was trained with
-        # even if a resumed run is given more steps.
-        if isinstance(data, dict) and data.get("decay_steps") is None:
-            max_steps = data.get("max_steps", cls.model_fields["max_steps"].default)
-            data = dict(data) | {"decay_steps": max_steps}
+        # even if a resumed run is given more steps. The default warm-up is cut to the
+        # decay steps, so a short run (max_steps=2) works without naming the warm-up.
+        if isinstance(data, dict):
+            data = dict(data)
+            if data.get("decay_steps") is None:
+                data["decay_steps"] = data.get("max_steps", cls.model_fields["max_steps"].default)
+            if "warmup_steps" not in data and isinstance(data["decay_steps"], int):
+                default = cls.model_fields["warmup_steps"].default
+                data["warmup_steps"] = max(0, min(default, data["decay_steps"]))
         return data
 
     @model_validator(mode="after")
@@ -129,8 +149,9 @@ class TrainConfig(BaseModel):
         assert self.decay_steps is not None
         if self.decay_steps < self.warmup_steps:
             raise ValueError(
-                f"decay_steps (={self.decay_steps}) must be >= warmup_steps "
-                f"(={self.warmup_steps}): the cosine decay starts after the warm-up"
+                f"warmup_steps (={self.warmup_steps}) must not exceed decay_steps "
+                f"(={self.decay_steps}, by default max_steps): the cosine decay starts after "
+                "the warm-up; lower warmup_steps or raise max_steps"
             )
         try:
             device = torch.device(self.device)
@@ -361,26 +382,28 @@ def lm_loss(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
 @torch.no_grad()
 def estimate_loss(model: nn.Module, splits: dict[str, np.ndarray], *, batch_size: int,
                   context_length: int, eval_steps: int, seed: int = 0, bf16: bool = False,
-                  ) -> dict[str, float]:
+                  ctx: DistContext = SINGLE) -> dict[str, float]:
     """Mean loss over ``eval_steps`` batches of each split, in eval mode (no dropout).
 
     The batches come from a generator seeded with ``seed`` at every call, so successive
     evaluations of a run score the model on the same windows (their differences are the
     model's, not the sampling's) and evaluating never disturbs the training batches.
+    Several processes each score their ``batch_size`` rows of every global batch and the
+    means are averaged (collective: every rank calls it); the result is the one process
+    with ``batch_size * world_size`` would get, to float rounding.
     """
     device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
+    ctx = ctx if ctx.distributed else DistContext(device=device)  # batches where the model is
     out = {}
-    for name, data in splits.items():
-        gen = torch.Generator().manual_seed(seed)
-        total = torch.zeros((), device=device)
-        for _ in range(eval_steps):
-            x, y = get_batch(data, batch_size, context_length, generator=gen, device=device)
-            with _autocast(device, bf16):
-                total += lm_loss(model, x, y).float()
-        out[name] = total.item() / eval_steps
-    model.train(was_training)
+    with eval_mode(model):
+        for name, data in splits.items():
+            gen = torch.Generator().manual_seed(seed)
+            total = torch.zeros((), device=device)
+            for _ in range(eval_steps):
+                x, y = rank_batch(data, batch_size, context_length, ctx, generator=gen)
+                with _autocast(device, bf16):
+                    total += lm_loss(model, x, y).float()
+            out[name] = mean_over_ranks(total, ctx).item() / eval_steps
     return out
 
 
@@ -403,16 +426,14 @@ def full_loss(model: GPT, data: np.ndarray, *, batch_size: int = 32,
     ids = torch.from_numpy(np.asarray(data[: n_windows * T + 1]).astype(np.int64))
     x_all = ids[:-1].view(n_windows, T)  # (windows, T)
     y_all = ids[1:].view(n_windows, T)
-    was_training = model.training
-    model.eval()
     total = torch.zeros((), dtype=torch.float64)
-    for k in range(0, n_windows, batch_size):
-        x, y = x_all[k:k + batch_size].to(device), y_all[k:k + batch_size].to(device)
-        with _autocast(device, bf16):
-            logits = model(x)
-        total += F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1),
-                                 reduction="sum").double().cpu()
-    model.train(was_training)
+    with eval_mode(model):
+        for k in range(0, n_windows, batch_size):
+            x, y = x_all[k:k + batch_size].to(device), y_all[k:k + batch_size].to(device)
+            with _autocast(device, bf16):
+                logits = model(x)
+            total += F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1),
+                                     reduction="sum").double().cpu()
     return float(total.item()) / (n_windows * T)
 
 
@@ -478,9 +499,10 @@ def train_step(
 def _sync_gradients(model: nn.Module, sync: bool) -> Any:
     # DDP all-reduces in every backward pass unless told not to; one all-reduce per
     # optimiser step is enough, as the micro-batches' gradients add up locally first.
-    if sync or not isinstance(model, DistributedDataParallel):
-        return nullcontext()
-    return model.no_sync()
+    # Looked up by name: torch.compile's wrapper of a DDP model is no DDP instance, but it
+    # hands attribute look-ups on to the model it wraps.
+    no_sync = getattr(model, "no_sync", None)
+    return nullcontext() if sync or no_sync is None else no_sync()
 
 
 def _rng_state(batch_gen: torch.Generator, ctx: DistContext) -> dict[str, Any]:
@@ -522,12 +544,12 @@ def resume_run(
     _check_resumable(ckpt, model, config, ctx)
     model.load_state_dict(ckpt["model"])
     optimizer.load_state_dict(ckpt["optimizer"])
-    rng = ckpt["rng"]
-    batch_gen.set_state(rng["batches"])  # the batches: one stream, all ranks
+    rng = ckpt["rng"]  # generators take their states as CPU byte tensors
+    batch_gen.set_state(rng["batches"].cpu())  # the batches: one stream, all ranks
     mine = rng["ranks"][ctx.rank] if "ranks" in rng else rng  # dropout's
-    torch.set_rng_state(mine["torch"])
+    torch.set_rng_state(mine["torch"].cpu())
     if "cuda" in mine and ctx.device.type == "cuda":
-        torch.cuda.set_rng_state(mine["cuda"], ctx.device)
+        torch.cuda.set_rng_state(mine["cuda"].cpu(), ctx.device)
     history = History(**({"grad_norm": []} | ckpt["history"]))
     return int(ckpt["step"]), history
 
@@ -548,22 +570,12 @@ def _check_resumable(ckpt: dict[str, Any], model: GPT, config: TrainConfig,
                          "depend on it")
 
 
-def train(
-    model: GPT | GPTConfig,
-    config: TrainConfig,
-    train_data: np.ndarray,
-    val_data: np.ndarray,
-    *,
-    tokenizer: Tokenizer | None = None,
-    out_dir: Path | str | None = None,
-    resume: bool = False,
-    stop_at: int | None = None,
-    progress: bool = True,
-    log: Callable[[str], None] | None = None,
-    ctx: DistContext | None = None,
-    compile: bool = False,
-) -> TrainResult:
-    """Train a GPT on token ids and return it with its history and summary metrics.
+def train(model: GPT | GPTConfig, config: TrainConfig, train_data: np.ndarray,
+          val_data: np.ndarray, *, tokenizer: Tokenizer | None = None,
+          out_dir: Path | str | None = None, resume: bool = False, stop_at: int | None = None,
+          progress: bool = True, log: Callable[[str], None] | None = None,
+          ctx: DistContext | None = None, compile: bool = False) -> TrainResult:
+    """Train a GPT on token ids; return it with its `History` and metrics (`_metrics`).
 
     Args:
         model: a `GPT` to train further, or a `GPTConfig` to build one from (its initial
@@ -571,96 +583,114 @@ def train(
         config: the run's `TrainConfig`.
         train_data, val_data: (N,) token ids, e.g. `minigpt.data.load_ids` memmaps.
         tokenizer: stored in checkpoints so that sampling can decode.
-        out_dir: where ``checkpoint.pt`` goes, after every evaluation and at the end
-            (None: no checkpoints).
-        resume: continue the run saved in ``out_dir`` (see `resume_run`) up to
-            ``config.max_steps``, with the checkpoint's schedule.
-        stop_at: stop after this many steps (and checkpoint), as if interrupted; the
-            schedule is still that of ``config.max_steps``, so ``resume`` continues it.
-        progress: show a tqdm progress bar.
-        log: called with a line of text after every evaluation (e.g. ``print``).
+        out_dir: where ``checkpoint.pt`` goes, after every evaluation and at the end.
+        resume: continue the run saved in ``out_dir`` (`resume_run`), with its schedule.
+        stop_at: stop after this many steps (and checkpoint), as if interrupted.
+        progress: show a tqdm progress bar; log: called with each evaluation's line.
         ctx: this process's place in a multi-process run (`minigpt.parallel`); None for
-            one process on ``config.device``. Rank 0 evaluates, logs and checkpoints.
+            one process on ``config.device``. Rank 0 logs and checkpoints.
         compile: run the training steps through `torch.compile` (the first step then
             takes seconds to compile; evaluation and checkpoints use the plain model).
 
-    Returns:
-        `TrainResult` with the trained model, the `History`, and ``metrics`` (see
-        `_metrics`). It seeds torch's global generator (dropout) with ``config.seed`` plus
-        the rank.
+    Torch's global generator (dropout) is seeded with ``config.seed`` plus the rank.
     """
     ctx = _check_train_args(config, out_dir, resume, stop_at, ctx)
-    model = _build_model(model, config, train_data, val_data).to(ctx.device)
-    optimizer = build_optimizer(model, config)
-    batch_gen = torch.Generator().manual_seed(config.seed)
-    torch.manual_seed(config.seed + ctx.rank)  # dropout: each rank its own masks
+    model, optimizer, batch_gen = _set_up(model, config, train_data, val_data, ctx)
     history, start = History(), 0
     if resume:
-        ckpt = load_checkpoint(Path(str(out_dir)), map_location=ctx.device)
-        start, history = resume_run(ckpt, model, optimizer, config, batch_gen, ctx)
-        if tokenizer is None and ckpt["tokenizer"] is not None:
-            tokenizer = tokenizer_from_dict(ckpt["tokenizer"])
-        del ckpt  # free the loaded tensors
+        start, history, tokenizer = restore(Path(str(out_dir)), model, optimizer, config,
+                                            batch_gen, ctx, tokenizer)
     end = config.max_steps if stop_at is None else min(stop_at, config.max_steps)
     if start > end:
         raise ValueError(f"the checkpoint is at step {start}, past the requested end {end}")
-
-    ckpt_path = None if out_dir is None else Path(out_dir) / CHECKPOINT_NAME
-    saved_at = start if resume else -1
-    trainee = wrap_model(model, ctx)
-    if compile:
-        trainee = cast(nn.Module, torch.compile(trainee))  # an OptimizedModule
-    splits = {"train": train_data, "val": val_data}
-    B, T = config.batch_size, model.config.context_length
-    trainee.train()
-    wall0 = time.perf_counter()
-    bar = tqdm(total=end, initial=start, disable=not (progress and ctx.is_main),
-               unit="step", dynamic_ncols=True)
-    step = start
-    while True:
-        # Evaluate at multiples of eval_interval and at the very end (a resumed run has
-        # already evaluated its first step before it was saved).
+    save = None if out_dir is None else partial(
+        save_run, Path(out_dir) / CHECKPOINT_NAME, model, optimizer, config, history=history,
+        batch_gen=batch_gen, tokenizer=tokenizer, ctx=ctx)
+    saved_at, trainee = start if resume else -1, trainee_of(model, ctx, compile=compile).train()
+    wall0, bar = time.perf_counter(), tqdm(total=end, initial=start, unit="step",
+                                           disable=not (progress and ctx.is_main),
+                                           dynamic_ncols=True)
+    for step in range(start, end + 1):
+        # At multiples of eval_interval and at the end (a resumed run's first is done).
         if (step % config.eval_interval == 0 or step == config.max_steps) and not (
                 resume and step == start):
-            if ctx.is_main:
-                # Scored on global batches, so that the numbers do not depend on the world.
-                losses = estimate_loss(model, splits, batch_size=B * ctx.world_size,
-                                       context_length=T,
-                                       eval_steps=config.eval_steps, seed=config.seed + 1,
-                                       bf16=config.bf16)
-                if config.eval_full:
-                    losses["val"] = full_loss(model, val_data, bf16=config.bf16)
-                _record_eval(history, step, losses, bar, log)
-            if ckpt_path is not None and step > start:
-                save_run(ckpt_path, model, optimizer, config, step=step, history=history,
-                         batch_gen=batch_gen, tokenizer=tokenizer, ctx=ctx)
+            _evaluate(model, config, train_data, val_data, history, step, bar,
+                      log if ctx.is_main else None, ctx)
+            if save is not None and step > start:
+                save(step=step)
                 saved_at = step
-        if step >= end:
-            break
-        lr = schedule_lr(step, config)
-        set_lr(optimizer, lr, config)
-        t0 = time.perf_counter()
-        batches = [rank_batch(train_data, B, T, ctx, generator=batch_gen)
-                   for _ in range(config.grad_accum)]
-        result = train_step(trainee, optimizer, batches, grad_clip=config.grad_clip,
-                            bf16=config.bf16)
-        loss = result.loss
-        if ctx.distributed:  # the loss of the whole global batch, as one process sees it
-            loss = mean_over_ranks(torch.tensor(loss, dtype=torch.float64), ctx).item()
-        history.step.append(step)
-        history.loss.append(loss)
-        history.lr.append(lr)
-        history.grad_norm.append(result.grad_norm)
-        history.step_ms.append((time.perf_counter() - t0) * 1000.0)
-        step += 1
-        bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
-        bar.update(1)
+        if step < end:
+            loss = _optimizer_step(step, trainee, optimizer, config, train_data,
+                                   batch_gen, history, ctx, model.config.context_length)
+            bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+            bar.update(1)
     bar.close()
-    if ckpt_path is not None and step != saved_at:
-        save_run(ckpt_path, model, optimizer, config, step=step, history=history,
-                 batch_gen=batch_gen, tokenizer=tokenizer, ctx=ctx)
-    metrics = _metrics(history, config, model, time.perf_counter() - wall0, ctx)
-    return TrainResult(model, history, metrics)
+    if save is not None and end != saved_at:
+        save(step=end)
+    return TrainResult(model, history, _metrics(history, config, model,
+                                                 time.perf_counter() - wall0, ctx))
+
+
+def _evaluate(model: GPT, config: TrainConfig, train_data: np.ndarray, val_data: np.ndarray,
+              history: History, step: int, bar: Any, log: Callable[[str], None] | None,
+              ctx: DistContext) -> None:
+    # Each rank scores its share of global batches: the numbers do not depend on the number
+    # of processes, and no GPU holds more than its training batch.
+    losses = estimate_loss(model, {"train": train_data, "val": val_data},
+                           batch_size=config.batch_size, seed=config.seed + 1,
+                           context_length=model.config.context_length,
+                           eval_steps=config.eval_steps, bf16=config.bf16, ctx=ctx)
+    if config.eval_full:  # the same on every rank: each scores the whole split
+        losses["val"] = full_loss(model, val_data, bf16=config.bf16)
+    history.eval_step.append(step)
+    history.train_loss.append(losses["train"])
+    history.val_loss.append(losses["val"])
+    bar.set_postfix(val=f"{losses['val']:.4f}")
+    if log is not None:
+        log(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+
+
+def restore(out_dir: Path, model: GPT, optimizer: Optimizer, config: TrainConfig,
+            batch_gen: torch.Generator, ctx: DistContext, tokenizer: Tokenizer | None,
+            ) -> tuple[int, History, Tokenizer | None]:
+    """Continue the run saved in ``out_dir`` (`resume_run`); returns its step, its history
+    and its tokenizer (``tokenizer`` if given)."""
+    # Onto the CPU, whatever the run's device: load_state_dict moves weights and moments to
+    # the parameters' device, and generators take only CPU states.
+    ckpt = load_checkpoint(out_dir)
+    start, history = resume_run(ckpt, model, optimizer, config, batch_gen, ctx)
+    if tokenizer is None and ckpt["tokenizer"] is not None:
+        tokenizer = tokenizer_from_dict(ckpt["tokenizer"])
+    return start, history, tokenizer
+
+
+def _optimizer_step(step: int, trainee: nn.Module, optimizer: Optimizer,
+                    config: TrainConfig, data: np.ndarray, batch_gen: torch.Generator,
+                    history: History, ctx: DistContext, T: int) -> float:
+    """Step ``step`` of the run: its learning rate, its batches, `train_step`, the history."""
+    lr = schedule_lr(step, config)
+    set_lr(optimizer, lr, config)
+    t0 = time.perf_counter()
+    batches = [rank_batch(data, config.batch_size, T, ctx, generator=batch_gen)
+               for _ in range(config.grad_accum)]
+    result = train_step(trainee, optimizer, batches, grad_clip=config.grad_clip,
+                        bf16=config.bf16)
+    loss = result.loss
+    if ctx.distributed:  # the loss of the whole global batch, as one process sees it
+        loss = mean_over_ranks(torch.tensor(loss, dtype=torch.float64), ctx).item()
+    history.step.append(step)
+    history.loss.append(loss)
+    history.lr.append(lr)
+    history.grad_norm.append(result.grad_norm)
+    history.step_ms.append((time.perf_counter() - t0) * 1000.0)
+    return loss
+
+
+def trainee_of(model: GPT, ctx: DistContext, *, compile: bool = False) -> nn.Module:
+    """The module the training steps call: the model, wrapped in DDP for several processes,
+    then compiled if asked (`_sync_gradients` finds DDP's ``no_sync`` through the wrapper)."""
+    trainee = wrap_model(model, ctx)
+    return cast(nn.Module, torch.compile(trainee)) if compile else trainee
 
 
 def _check_train_args(config: TrainConfig, out_dir: Path | str | None, resume: bool,
@@ -679,6 +709,16 @@ def _check_train_args(config: TrainConfig, out_dir: Path | str | None, resume: b
     return ctx
 
 
+def _set_up(model: GPT | GPTConfig, config: TrainConfig, train_data: np.ndarray,
+            val_data: np.ndarray, ctx: DistContext,
+            ) -> tuple[GPT, Optimizer, torch.Generator]:
+    """The model on its device, its optimiser, the batch generator; dropout's seed."""
+    model = _build_model(model, config, train_data, val_data).to(ctx.device)
+    optimizer = build_optimizer(model, config)
+    torch.manual_seed(config.seed + ctx.rank)  # dropout: each rank its own masks
+    return model, optimizer, torch.Generator().manual_seed(config.seed)
+
+
 def _build_model(model: GPT | GPTConfig, config: TrainConfig, train_data: np.ndarray,
                  val_data: np.ndarray) -> GPT:
     if isinstance(model, GPTConfig):
@@ -692,16 +732,6 @@ def _build_model(model: GPT | GPTConfig, config: TrainConfig, train_data: np.nda
             raise ValueError(f"{name} has {len(data)} tokens; it needs more than "
                              f"context_length={T}")
     return model
-
-
-def _record_eval(history: History, step: int, losses: dict[str, float], bar: Any,
-                 log: Callable[[str], None] | None) -> None:
-    history.eval_step.append(step)
-    history.train_loss.append(losses["train"])
-    history.val_loss.append(losses["val"])
-    bar.set_postfix(val=f"{losses['val']:.4f}")
-    if log is not None:
-        log(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
 
 
 def _metrics(history: History, config: TrainConfig, model: GPT, total_seconds: float,
@@ -727,3 +757,43 @@ def _metrics(history: History, config: TrainConfig, model: GPT, total_seconds: f
         "world_size": ctx.world_size,
         "effective_batch_size": effective,
     }
+
+
+def with_global_batch(config: TrainConfig, global_batch_size: int | None,
+                      world_size: int) -> TrainConfig:
+    """``config`` with grad_accum set so that a step sees ``global_batch_size`` sequences
+    over ``world_size`` processes (None: ``config`` as it is)."""
+    if global_batch_size is None:
+        return config
+    if global_batch_size % (per := config.batch_size * world_size):
+        raise ValueError(f"--global-batch-size {global_batch_size} does not split into "
+                         f"micro-batches of --batch-size {config.batch_size} x {world_size} "
+                         f"processes: it must be a positive multiple of {per}")
+    return config.model_copy(update={"grad_accum": global_batch_size // per})
+
+
+def write_metrics(out_dir: Path, result: TrainResult, config: TrainConfig,
+                  val_data: np.ndarray, **more: Any) -> dict[str, Any]:
+    """Write ``metrics.json`` (the run's metrics, its configurations, the loss on the whole
+    validation split and ``more``) and ``history.json`` into ``out_dir``; return the first."""
+    model = result.model
+    metrics = result.metrics | {
+        "final_val_loss_full": full_loss(model, val_data, bf16=config.bf16),
+        "model_config": model.config.model_dump(), "train_config": config.model_dump(),
+        "vocab_size": model.config.vocab_size, "val_tokens": len(val_data)} | more
+    for name, content in ((METRICS_NAME, metrics), ("history.json", asdict(result.history))):
+        atomic_write(Path(out_dir) / name, (json.dumps(content, indent=2) + "\n").encode())
+    return metrics
+
+
+def saved_settings(out_dir: Path, **changes: Any,
+                   ) -> tuple[GPTConfig, TrainConfig, Tokenizer | None]:
+    """The configurations and tokenizer of the run saved in ``out_dir``, with ``changes``
+    (max_steps, device: what a resumed run may change) applied."""
+    ckpt = load_checkpoint(out_dir)
+    saved = ckpt["train_config"] | changes
+    if "device" not in changes and saved["device"] != "cpu" and not torch.cuda.is_available():
+        raise ValueError(f"the run in {out_dir} was trained on {saved['device']!r}, which this "
+                         "machine lacks; continue it here with device cpu (--device cpu)")
+    tokenizer = tokenizer_from_dict(ckpt["tokenizer"]) if ckpt["tokenizer"] else None
+    return GPTConfig(**ckpt["model_config"]), TrainConfig(**saved), tokenizer
