@@ -1,11 +1,9 @@
 """Command line: `python -m minigpt {train,sample,assets,pretrained} ...`.
 
-One argparse parser with a sub-command per task; `python -m minigpt COMMAND --help` lists a
-command's flags. `train` has one flag per field of `GPTConfig` and `TrainConfig`, made from
-the fields themselves (`minigpt.flags`), so a new field is a new flag. A bad input is one
-line on stderr: exit status 2 for a usage error (a flag argparse or a configuration refuses),
-1 for any other error, 130 when interrupted. `train --nproc-per-node N` starts N processes
-through PyTorch's own launcher (`torch.distributed.run`, i.e. torchrun).
+`train` has one flag per field of `GPTConfig` and `TrainConfig`, made from the fields
+(`minigpt.flags`); `--recipe modern` starts from the modern layout and training instead.
+A bad input is one line on stderr: exit 2 for a usage error, 1 for any other, 130 when
+interrupted. `train --nproc-per-node N` starts N processes with `torch.distributed.run`.
 """
 
 from __future__ import annotations
@@ -74,17 +72,18 @@ class RunFlags(BaseModel):
     text: Path | None = Field(None, description="UTF-8 text (default: Shakespeare's plays)")
     tokenizer: Literal[KINDS] = Field("char", description="bpe: trained on the train split")  # type: ignore[valid-type]
     bpe_vocab_size: int | None = Field(None, ge=2, description="V of --tokenizer bpe (512)")
-    resume: bool = Field(False, description="continue the run in --out (only --max-steps and "
-                                            "--device may change)")
+    resume: bool = Field(False, description="continue the run in --out, with its settings")
     stop_at: int | None = Field(None, ge=0, description="stop (and checkpoint) at this step")
     threads: int | None = Field(None, ge=1, description="torch.set_num_threads")
     compile: bool = Field(False, description="torch.compile the steps (needs a C++ compiler)")
     progress: bool = Field(True, description="show a progress bar")
-    nproc_per_node: int | None = Field(None, ge=1, description="processes to start here with "
-                                                               "torch.distributed.run")
+    nproc_per_node: int | None = Field(None, ge=1, description="processes to start (torchrun)")
     master_port: int | None = Field(None, ge=1, le=65535, description="their port on 127.0.0.1")
     backend: Literal["gloo", "nccl"] | None = Field(None, description="default: nccl on CUDA")
     global_batch_size: int | None = Field(None, ge=1, description="sets --grad-accum")
+    recipe: Literal["gpt2", "modern"] = Field("gpt2", description="modern: the modern GPT's "
+                                              "layout and training (minigpt.config.MODERN_LAYOUT, "
+                                              "minigpt.train.MODERN_TRAINING) under the flags")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -179,16 +178,20 @@ def _new_settings(run: RunFlags, given: dict[str, Any]) -> tuple[Any, ...]:
     if run.global_batch_size is not None and "grad_accum" in given:
         raise ValueError("give --global-batch-size or --grad-accum, not both: the global "
                          "batch size sets the accumulation steps")
-    config = TrainConfig(**{k: v for k, v in given.items() if k in TrainConfig.model_fields})
-    if run.text is not None:
-        text, source = data.read_text(run.text), str(run.text)
-    else:
-        text, source = data.shakespeare_text(), "minigpt.data.shakespeare_text()"
+    config = _train_config(run, given)
+    text, source = (data.read_text(run.text), str(run.text)) if run.text is not None else (
+        data.shakespeare_text(), "minigpt.data.shakespeare_text()")
     # BPE is trained on the training split only: validation text stays unseen.
     tokenizer = get_tokenizer("bpe", data.split_text(text)[0], vocab_size=run.bpe_vocab_size
                               ) if run.tokenizer == "bpe" else get_tokenizer(run.tokenizer, text)
     shape = {k: v for k, v in given.items() if k in GPTConfig.model_fields}
-    return GPTConfig.shakespeare_cpu(tokenizer.vocab_size, **shape), config, tokenizer, text, source
+    make = GPTConfig.modern if run.recipe == "modern" else GPTConfig.shakespeare_cpu
+    return make(tokenizer.vocab_size, **shape), config, tokenizer, text, source
+
+
+def _train_config(run: RunFlags, given: dict[str, Any]) -> TrainConfig:
+    make = TrainConfig.modern if run.recipe == "modern" else TrainConfig
+    return make(**{k: v for k, v in given.items() if k in TrainConfig.model_fields})
 
 
 def _launch(run: RunFlags, given: dict[str, Any], argv: Sequence[str]) -> int:
@@ -205,9 +208,7 @@ def _launch(run: RunFlags, given: dict[str, Any], argv: Sequence[str]) -> int:
         raise ValueError(f"the run in {run.out} was trained by {saved} process(es); "
                          f"resume it with --nproc-per-node {saved}")
     if not run.resume:  # a global batch that does not split, before anything starts
-        with_global_batch(TrainConfig(**{k: v for k, v in given.items()
-                                         if k in TrainConfig.model_fields}),
-                          run.global_batch_size, n or 1)
+        with_global_batch(_train_config(run, given), run.global_batch_size, n or 1)
     where = ["--standalone"]  # torchrun picks a free port
     if run.master_port is not None:
         parallel.check_port(run.master_port)

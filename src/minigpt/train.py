@@ -162,6 +162,15 @@ class TrainConfig(BaseModel):
             raise ValueError(f"device {self.device!r}: CUDA is not available on this machine")
         return self
 
+    @classmethod
+    def modern(cls, **overrides: Any) -> TrainConfig:
+        """The modern recipe's settings (`MODERN_TRAINING`) under ``overrides``; a run
+        shorter than the recipe's warm-up warms up over the whole run."""
+        values = MODERN_TRAINING | overrides
+        if "warmup_steps" not in overrides and "max_steps" in overrides:
+            values["warmup_steps"] = min(values["warmup_steps"], overrides["max_steps"])
+        return cls(**values)
+
     @property
     def schedule_end(self) -> int:
         """The step at which the cosine reaches min_lr (decay_steps, resolved)."""
