@@ -424,3 +424,20 @@ def test_flags_follow_the_model_fields() -> None:
                                                                 "y"]):
         with pytest.raises(SystemExit):
             parser.parse_args(bad)
+
+
+def test_the_modern_recipe_under_the_flags_given(tmp_path: Path, text_file: Path) -> None:
+    from minigpt.config import MODERN_LAYOUT
+    from minigpt.train import MODERN_TRAINING
+
+    assert main(["train", "--text", str(text_file), "--out", str(tmp_path), "--recipe",
+                 "modern", "--n-layers", "1", "--context-length", "8", "--batch-size", "2",
+                 "--max-steps", "3", "--n-kv-heads", "2", "--no-progress"]) == 0
+    ckpt = load_checkpoint(tmp_path)
+    model, train = ckpt["model_config"], ckpt["train_config"]
+    assert all(model[k] == v for k, v in MODERN_LAYOUT.items())  # the recipe's layout
+    assert model["n_layers"] == 1 and model["n_kv_heads"] == 2  # and the flags given
+    assert train["optimizer"] == "muon" and train["schedule"] == "trapezoid"
+    assert train["muon_lr"] == MODERN_TRAINING["muon_lr"] and train["batch_size"] == 2
+    assert train["warmup_steps"] == 3  # the recipe's warm-up, cut to the 3-step run
+    assert set(ckpt["optimizer"]) == {"muon", "adamw"}
