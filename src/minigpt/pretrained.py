@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 #: of `train`'s loop); every cached model is then rebuilt.
 RECIPE_VERSION = 2  # 2: LayerNorm runs F.layer_norm (use_fused), not the written-out ops
 #: Optimiser steps of the modern book model.
-MODERN_BOOK_STEPS = 600
+MODERN_BOOK_STEPS = 400
 WEIGHTS_NAME = "model.pt"
 MANIFEST_NAME = "manifest.json"
 
