@@ -87,7 +87,7 @@ def minigpt(text: Path, steps: int, seed: int, out: Path,
     return float(metrics["median_step_ms"]), metrics
 
 
-def nanogpt_full_loss(folder: Path, out: Path) -> float:
+def nanogpt_full_loss(folder: Path, out: Path, name: str = "ckpt.pt") -> float:
     """nanoGPT's checkpoint scored like `minigpt.train.full_loss`: mean loss over
     consecutive 64-token windows of its val.bin. nanoGPT's own model code is imported from
     its checkout, in a child process."""
@@ -95,7 +95,7 @@ def nanogpt_full_loss(folder: Path, out: Path) -> float:
 import sys, numpy as np, torch, torch.nn.functional as F
 sys.path.insert(0, {str(folder)!r})
 from model import GPT, GPTConfig
-ck = torch.load({str(out / "ckpt.pt")!r}, map_location="cpu", weights_only=False)
+ck = torch.load({str(out / name)!r}, map_location="cpu", weights_only=False)
 model = GPT(GPTConfig(**ck["model_args"]))
 model.load_state_dict({{k.removeprefix("_orig_mod."): v for k, v in ck["model"].items()}})
 model.eval()
@@ -140,8 +140,8 @@ def nanogpt_curve(folder: Path, seed: int, out: Path, every: int,
     step_ms = [typical if i % every == 0 else ms[i] for i in range(steps)]
     curve = []
     for k in range(every, steps + 1, every):
-        ckpt = out / f"ckpt-{k}.pt"
-        curve.append((k, sum(step_ms[:k]) / 1000, nanogpt_full_loss(folder, ckpt)))
+        curve.append((k, sum(step_ms[:k]) / 1000,
+                      nanogpt_full_loss(folder, out, f"ckpt-{k}.pt")))
     return curve
 
 

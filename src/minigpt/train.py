@@ -183,7 +183,7 @@ class TrainConfig(BaseModel):
 #: batches than GPT-2's CPU recipe (Muon's orthogonalisation costs the same per step
 #: whatever the batch, so it pays with more tokens a step).
 MODERN_TRAINING: dict[str, Any] = dict(
-    optimizer="muon", muon_lr=0.02, lr=1e-2, min_lr=0.0, beta2=0.95, weight_decay=0.0,
+    optimizer="muon", muon_lr=0.02, lr=2e-2, min_lr=0.0, beta2=0.95, weight_decay=0.0,
     warmup_steps=10, schedule="trapezoid", cooldown_fraction=0.4, batch_size=48,
 )
 
