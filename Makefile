@@ -3,9 +3,19 @@
 #   make test   set everything up, build the site, run every test
 # Both are idempotent: a second run reuses .venv and the verified assets.
 SHELL := /bin/bash
+# Another PyTorch than the pinned one, in a venv of its own (CI's oldest-torch job):
+#   make unit TORCH=2.4.1        # .venv-torch2.4.1: requirements.txt with torch==2.4.1
+TORCH ?=
+VENV ?= $(if $(TORCH),.venv-torch$(TORCH),.venv)
+# A venv keeps its programs in Scripts/ on Windows, where Python is `python`.
+ifeq ($(OS),Windows_NT)
+PYTHON ?= python
+BIN := $(VENV)/Scripts
+else
 PYTHON ?= python3
-VENV := .venv
-PY := $(VENV)/bin/python
+BIN := $(VENV)/bin
+endif
+PY := $(BIN)/python
 STAMP := $(VENV)/.installed
 NPM_STAMP := node_modules/.installed
 
@@ -13,7 +23,8 @@ NPM_STAMP := node_modules/.installed
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
+	sed '$(if $(TORCH),s/^torch==.*/torch==$(TORCH)/)' requirements.txt > $(VENV)/requirements.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check -r $(VENV)/requirements.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 	$(PY) -m pip check
 	touch $(STAMP)
@@ -68,7 +79,7 @@ system-deps:
 # is the same here, under nbval and in `make baseline`.
 book: setup
 	rm -rf _build/.doctrees _build/html _build/jupyter_execute _build/.jupyter_cache
-	PYTHONHASHSEED=0 $(VENV)/bin/jupyter-book build --all --warningiserror --keep-going --path-output . .
+	PYTHONHASHSEED=0 $(BIN)/jupyter-book build --all --warningiserror --keep-going --path-output . .
 
 # The whole book as one PDF, _build/pdf/minigpt-book.pdf (tools/make_pdf.py): Sphinx's
 # single-page build, whose chapters come from the execution cache the site's build has just
@@ -99,8 +110,8 @@ baseline: setup
 	$(PY) tools/baseline.py $(CHAPTERS)
 
 lint: setup
-	$(VENV)/bin/ruff check src tests
-	$(VENV)/bin/mypy
+	$(BIN)/ruff check src tests
+	$(BIN)/mypy
 
 clean:
 	rm -rf _build .pytest_cache .hypothesis
