@@ -88,10 +88,11 @@ book: setup
 pdf: book system-deps
 	$(PY) tools/make_pdf.py
 
-# Every test: the package's (hypothesis searching thoroughly), the chapters' outputs of the
-# build just made compared with the stored ones (tests/test_chapter_outputs.py; each chapter
-# is executed once, by the build), headless Chromium over the built site, and the PDF.
-test: setup system-deps book pdf
+# The lint first (a lint failure fails at once), then every test: the package's (hypothesis
+# searching thoroughly), the chapters' outputs of the build just made compared with the
+# stored ones (tests/test_chapter_outputs.py; each chapter is executed once, by the build),
+# headless Chromium over the built site, and the PDF.
+test: lint setup system-deps book pdf
 	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest
 
 # The quick loop while editing the package: every test that needs no built book (< 1 min).
@@ -109,9 +110,14 @@ nbval: setup
 baseline: setup
 	$(PY) tools/baseline.py $(CHAPTERS)
 
-lint: setup
+# ruff, mypy (strict, on the package) and codespell (its settings and the project's word list
+# in pyproject.toml; Shakespeare's spellings and names in tools/codespell-words.txt).
+# `make test` runs this first.
+SPELL_PATHS := book/*.md src tests tools _ext README.md
+lint: $(STAMP)
 	$(BIN)/ruff check src tests
 	$(BIN)/mypy
+	$(BIN)/codespell $(SPELL_PATHS)
 
 clean:
 	rm -rf _build .pytest_cache .hypothesis
