@@ -19,7 +19,7 @@ PY := $(BIN)/python
 STAMP := $(VENV)/.installed
 NPM_STAMP := node_modules/.installed
 
-.PHONY: book pdf test unit nbval setup assets book-model system-deps baseline lint clean
+.PHONY: book pdf test unit nbval setup assets book-model system-deps baseline lint linkcheck clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -118,6 +118,11 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests
 	$(BIN)/mypy
 	$(BIN)/codespell $(SPELL_PATHS)
+
+# Every external link of the chapters and references.bib (tools/linkcheck.py; needs the
+# network, so not part of `make test`; CI runs it weekly). Report: _build/linkcheck/.
+linkcheck: $(STAMP)
+	$(PY) tools/linkcheck.py
 
 clean:
 	rm -rf _build .pytest_cache .hypothesis
