@@ -239,3 +239,21 @@ def test_the_link_check_runs_weekly_and_on_demand_and_keeps_its_report() -> None
     assert upload[0]["with"]["path"].startswith("_build/linkcheck/")
     makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
     assert re.search(r"^linkcheck:.*\n\t\$\(PY\) tools/linkcheck\.py$", makefile, re.MULTILINE)
+
+
+def test_make_unit_torch_puts_that_torch_in_a_venv_of_its_own() -> None:
+    # What CI's oldest-torch job runs, as a dry run: the venv, its requirements and the tests.
+    result = subprocess.run(["make", "-n", "-B", "unit", "TORCH=9.9"], capture_output=True,
+                            text=True, cwd=ROOT, timeout=60)
+    assert result.returncode == 0, result.stderr
+    bin_dir = "Scripts" if sys.platform == "win32" else "bin"
+    lines = result.stdout.splitlines()
+    assert any(line.endswith("-m venv .venv-torch9.9") for line in lines), lines
+    sed = [line for line in lines if line.startswith("sed ")]
+    assert sed == ["sed 's/^torch==.*/torch==9.9/' requirements.txt > "
+                   ".venv-torch9.9/requirements.txt"], sed
+    assert f'.venv-torch9.9/{bin_dir}/python -m pytest -m "not book"' in lines
+    # The substitution meets exactly one line of requirements.txt: the pinned torch.
+    pinned = [line for line in (ROOT / "requirements.txt").read_text().splitlines()
+              if re.match(r"torch==", line)]
+    assert len(pinned) == 1 and re.fullmatch(r"torch==[\d.]+", pinned[0]), pinned
