@@ -245,9 +245,9 @@ def test_the_link_check_runs_weekly_and_on_demand_and_keeps_its_report() -> None
 def test_make_unit_torch_puts_that_torch_in_a_venv_of_its_own() -> None:
     # What CI's oldest-torch job runs, as a dry run: the venv, its requirements and the tests.
     # Under `make unit` itself, the variables given to that make (TORCH=, VENV=) reach this
-    # one through MAKEFLAGS: leave them out.
+    # one through MAKEFLAGS and the environment: leave them out.
     env = {k: v for k, v in os.environ.items()
-           if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")}
+           if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "VENV", "TORCH")}
     result = subprocess.run(["make", "--no-print-directory", "-n", "-B", "unit", "TORCH=9.9"],
                             capture_output=True, text=True, cwd=ROOT, timeout=60, env=env)
     assert result.returncode == 0, result.stderr
