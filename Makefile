@@ -4,7 +4,7 @@
 # Both are idempotent: a second run reuses .venv and the verified assets.
 SHELL := /bin/bash
 # Another PyTorch than the pinned one, in a venv of its own (CI's oldest-torch job):
-#   make unit TORCH=2.4.1        # .venv-torch2.4.1: requirements.txt with torch==2.4.1
+#   make unit TORCH=2.9.1        # .venv-torch2.9.1: requirements.txt with torch==2.9.1
 TORCH ?=
 VENV ?= $(if $(TORCH),.venv-torch$(TORCH),.venv)
 # A venv keeps its programs in Scripts/ on Windows, where Python is `python`.
