@@ -3,17 +3,28 @@
 #   make test   set everything up, build the site, run every test
 # Both are idempotent: a second run reuses .venv and the verified assets.
 SHELL := /bin/bash
+# Another PyTorch than the pinned one, in a venv of its own (CI's oldest-torch job):
+#   make unit TORCH=2.9.1        # .venv-torch2.9.1: requirements.txt with torch==2.9.1
+TORCH ?=
+VENV ?= $(if $(TORCH),.venv-torch$(TORCH),.venv)
+# A venv keeps its programs in Scripts/ on Windows, where Python is `python`.
+ifeq ($(OS),Windows_NT)
+PYTHON ?= python
+BIN := $(VENV)/Scripts
+else
 PYTHON ?= python3
-VENV := .venv
-PY := $(VENV)/bin/python
+BIN := $(VENV)/bin
+endif
+PY := $(BIN)/python
 STAMP := $(VENV)/.installed
 NPM_STAMP := node_modules/.installed
 
-.PHONY: book pdf test unit nbval setup assets book-model system-deps baseline lint clean
+.PHONY: book pdf test unit nbval setup assets book-model system-deps baseline lint linkcheck clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
+	sed '$(if $(TORCH),s/^torch==.*/torch==$(TORCH)/)' requirements.txt > $(VENV)/requirements.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check -r $(VENV)/requirements.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 	$(PY) -m pip check
 	touch $(STAMP)
@@ -68,7 +79,7 @@ system-deps:
 # is the same here, under nbval and in `make baseline`.
 book: setup
 	rm -rf _build/.doctrees _build/html _build/jupyter_execute _build/.jupyter_cache
-	PYTHONHASHSEED=0 $(VENV)/bin/jupyter-book build --all --warningiserror --keep-going --path-output . .
+	PYTHONHASHSEED=0 $(BIN)/jupyter-book build --all --warningiserror --keep-going --path-output . .
 
 # The whole book as one PDF, _build/pdf/minigpt-book.pdf (tools/make_pdf.py): Sphinx's
 # single-page build, whose chapters come from the execution cache the site's build has just
@@ -77,10 +88,11 @@ book: setup
 pdf: book system-deps
 	$(PY) tools/make_pdf.py
 
-# Every test: the package's (hypothesis searching thoroughly), the chapters' outputs of the
-# build just made compared with the stored ones (tests/test_chapter_outputs.py; each chapter
-# is executed once, by the build), headless Chromium over the built site, and the PDF.
-test: setup system-deps book pdf
+# The lint first (a lint failure fails at once), then every test: the package's (hypothesis
+# searching thoroughly), the chapters' outputs of the build just made compared with the
+# stored ones (tests/test_chapter_outputs.py; each chapter is executed once, by the build),
+# headless Chromium over the built site, and the PDF.
+test: lint setup system-deps book pdf
 	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest
 
 # The quick loop while editing the package: every test that needs no built book (< 1 min).
@@ -98,9 +110,19 @@ nbval: setup
 baseline: setup
 	$(PY) tools/baseline.py $(CHAPTERS)
 
-lint: setup
-	$(VENV)/bin/ruff check src tests
-	$(VENV)/bin/mypy
+# ruff, mypy (strict, on the package) and codespell (its settings and the project's word list
+# in pyproject.toml; Shakespeare's spellings and names in tools/codespell-words.txt).
+# `make test` runs this first.
+SPELL_PATHS := book/*.md src tests tools _ext README.md
+lint: $(STAMP)
+	$(BIN)/ruff check src tests
+	$(BIN)/mypy
+	$(BIN)/codespell $(SPELL_PATHS)
+
+# Every external link of the chapters and references.bib (tools/linkcheck.py; needs the
+# network, so not part of `make test`; CI runs it weekly). Report: _build/linkcheck/.
+linkcheck: $(STAMP)
+	$(PY) tools/linkcheck.py
 
 clean:
 	rm -rf _build .pytest_cache .hypothesis

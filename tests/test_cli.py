@@ -236,7 +236,7 @@ def test_train_error_paths_on_files(tmp_path: Path, text_file: Path,
     (tmp_path / "file").write_text("x")
     _fails(["train", "--text", str(text_file), "--out", str(tmp_path / "file"), *TINY], capsys,
            1, "exists and is not a directory")
-    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
     _fails(["train", "--text", str(tmp_path / "latin1.txt"), "--out", str(tmp_path / "o"),
             *TINY], capsys, 1, "is not UTF-8 text")
     (tmp_path / "empty.txt").write_text("")

@@ -1,18 +1,24 @@
-"""The GitHub Actions workflow that tests the book and publishes it (.github/workflows/).
+"""The GitHub Actions workflows (.github/workflows/): book.yml tests the book and publishes
+it, links.yml checks its external links weekly.
 
-It cannot run here, so what can be checked is: actionlint finds nothing wrong with it,
-the only command it runs is the README's test command (`make test`, which builds the site
-and the PDF and runs every test), its caches are keyed on what they depend on, and it
-publishes the built site (which holds the PDF) to GitHub Pages from main only.
+They cannot run here, so what can be checked is: actionlint finds nothing wrong with them;
+the test job runs the README's test command (`make test`, which lints, builds the site and
+the PDF and runs every test) and nothing else; beside it, and not before it, one job runs
+`make nbval` and one `make unit` on Linux, macOS and Windows and on the oldest PyTorch
+pyproject.toml accepts; the link check runs on a schedule and on demand, never on a push,
+and keeps its report when it fails; caches are keyed on what they depend on; and the built
+site (which holds the PDF) is published to GitHub Pages from main only.
 """
 
 from __future__ import annotations
 
 import ast
+import os
 import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -22,27 +28,35 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 WORKFLOWS = ROOT / ".github" / "workflows"
 WORKFLOW = WORKFLOWS / "book.yml"
+LINKS = WORKFLOWS / "links.yml"
 
 
-def _workflow() -> dict[str, Any]:
-    loaded: dict[Any, Any] = yaml.safe_load(WORKFLOW.read_text(encoding="utf-8"))
+def _workflow(path: Path = WORKFLOW) -> dict[str, Any]:
+    loaded: dict[Any, Any] = yaml.safe_load(path.read_text(encoding="utf-8"))
     if True in loaded:  # YAML 1.1 reads the key `on` as a boolean
         loaded["on"] = loaded.pop(True)
     return loaded
 
 
-def _steps(job: str) -> list[dict[str, Any]]:
-    steps: list[dict[str, Any]] = _workflow()["jobs"][job]["steps"]
+def _steps(job: str, path: Path = WORKFLOW) -> list[dict[str, Any]]:
+    steps: list[dict[str, Any]] = _workflow(path)["jobs"][job]["steps"]
     return steps
 
 
-def _run_commands() -> list[str]:
-    """Every shell command the workflow runs itself, one per line of each `run:`."""
+def _run_commands(job: str, path: Path = WORKFLOW) -> list[str]:
+    """Every shell command a job runs itself, one per line of each `run:`."""
     return [line.strip()
-            for job in _workflow()["jobs"].values()
-            for step in job.get("steps", [])
+            for step in _steps(job, path)
             for line in str(step.get("run", "")).splitlines()
             if line.strip() and not line.strip().startswith("#")]
+
+
+def _make_rule(target: str) -> list[str]:
+    """The prerequisites of a rule of the Makefile."""
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    rule = re.search(rf"^{target}:(.*)$", makefile, re.MULTILINE)
+    assert rule, f"the Makefile has no rule {target}"
+    return rule.group(1).split()
 
 
 def readme_commands() -> dict[str, str]:
@@ -69,7 +83,7 @@ def _actionlint() -> str:
 
 def test_actionlint_finds_nothing() -> None:
     files = sorted(WORKFLOWS.glob("*.y*ml"))
-    assert WORKFLOW in files
+    assert WORKFLOW in files and LINKS in files
     result = subprocess.run([_actionlint(), "-no-color", *map(str, files)],
                             capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -93,10 +107,10 @@ def test_readme_names_the_two_commands() -> None:
     assert "test" in commands["make test"]
 
 
-def test_the_workflow_runs_exactly_the_readmes_test_command() -> None:
-    assert _run_commands() == ["make test"], (
-        "the workflow must run the README's test command and nothing else; it runs "
-        f"{_run_commands()}"
+def test_the_test_job_runs_exactly_the_readmes_test_command() -> None:
+    assert _run_commands("test") == ["make test"], (
+        "the test job must run the README's test command and nothing else; it runs "
+        f"{_run_commands('test')}"
     )
     assert "make test" in readme_commands()
     # CI here runs the same command (.ci/run).
@@ -128,20 +142,21 @@ def _recipe_version() -> int:
     raise AssertionError("src/minigpt/pretrained.py defines no RECIPE_VERSION")
 
 
-def test_caches_are_keyed_on_requirements_and_recipe() -> None:
+@pytest.mark.parametrize(("job", "command"), [("test", "make test"), ("nbval", "make nbval")])
+def test_caches_are_keyed_on_requirements_and_recipe(job: str, command: str) -> None:
     assert _workflow()["env"]["MINIGPT_RECIPE_VERSION"] == str(_recipe_version()), (
         "the workflow's MINIGPT_RECIPE_VERSION must follow minigpt.pretrained.RECIPE_VERSION"
     )
-    caches = {step["with"]["path"]: step["with"]["key"] for step in _steps("test")
+    caches = {step["with"]["path"]: step["with"]["key"] for step in _steps(job)
               if str(step.get("uses", "")).startswith("actions/cache@")}
     assert set(caches) == {"~/.cache/pip", "~/.cache/minigpt"}, caches
     assert "hashFiles('requirements.txt')" in caches["~/.cache/pip"]
     assert "hashFiles('requirements.txt')" in caches["~/.cache/minigpt"]
     assert "env.MINIGPT_RECIPE_VERSION" in caches["~/.cache/minigpt"]
     # The caches are restored before the command that fills them.
-    uses = [str(step.get("uses", step.get("run"))) for step in _steps("test")]
+    uses = [str(step.get("uses", step.get("run"))) for step in _steps(job)]
     assert max(i for i, u in enumerate(uses) if u.startswith("actions/cache@")) < uses.index(
-        "make test")
+        command)
 
 
 def test_main_publishes_the_site_and_pdf_to_pages() -> None:
@@ -157,6 +172,93 @@ def test_main_publishes_the_site_and_pdf_to_pages() -> None:
     assert [str(s["uses"]).split("@")[0] for s in publish["steps"]] == ["actions/deploy-pages"]
     assert _workflow()["permissions"] == {"contents": "read"}
     # _build/html holds the PDF because `make test` makes it (make pdf copies it there).
+    assert "pdf" in _make_rule("test")
+
+
+def test_make_test_lints_first_so_a_lint_failure_fails_ci() -> None:
+    # make stops at the first prerequisite that fails, before anything is built.
+    assert _make_rule("test")[0] == "lint"
     makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
-    test_rule = re.search(r"^test:(.*)$", makefile, re.MULTILINE)
-    assert test_rule and "pdf" in test_rule.group(1).split()
+    recipe = makefile.split("\nlint:", 1)[1].split("\n\n", 1)[0]
+    for tool in ("ruff check src tests", "mypy", "codespell $(SPELL_PATHS)"):
+        assert f"$(BIN)/{tool}" in recipe, f"make lint does not run {tool}"
+    spelled = re.search(r"^SPELL_PATHS := (.*)$", makefile, re.MULTILINE)
+    assert spelled and {"book/*.md", "src", "tests", "README.md"} <= set(spelled.group(1).split())
+    # The link check needs the network: never part of `make test`.
+    assert "linkcheck" not in _make_rule("test") + _make_rule("setup")
+
+
+def test_nbval_runs_beside_the_test_job_in_the_same_image() -> None:
+    jobs = _workflow()["jobs"]
+    assert _run_commands("nbval") == ["make nbval"]
+    assert "needs" not in jobs["nbval"] and "needs" not in jobs["test"]  # in parallel
+    assert jobs["nbval"]["container"] == jobs["test"]["container"]
+    assert jobs["nbval"]["runs-on"] == "ubuntu-latest"
+
+
+def _oldest_torch() -> str:
+    with (ROOT / "pyproject.toml").open("rb") as file:
+        dependencies = tomllib.load(file)["project"]["dependencies"]
+    floors = [re.fullmatch(r"torch>=([\d.]+)", d.replace(" ", "")) for d in dependencies]
+    found = [m.group(1) for m in floors if m]
+    assert len(found) == 1, f"pyproject.toml should require torch>=X: {dependencies}"
+    return found[0]
+
+
+def test_unit_tests_run_on_three_systems_and_on_the_oldest_torch() -> None:
+    unit = _workflow()["jobs"]["unit"]
+    assert "needs" not in unit
+    assert _run_commands("unit") == ["make unit TORCH=${{ matrix.torch }}"]
+    assert unit["defaults"]["run"]["shell"] == "bash"
+    matrix = unit["strategy"]["matrix"]
+    assert unit["strategy"]["fail-fast"] is False
+    pinned = [(os, "") for os in matrix["os"] for torch in matrix["torch"] if torch == ""]
+    assert sorted(pinned) == [("macos-latest", ""), ("ubuntu-latest", ""),
+                              ("windows-latest", "")]
+    extra = [(entry["os"], entry["torch"]) for entry in matrix["include"]]
+    assert len(extra) == 1 and extra[0][0] == "ubuntu-latest", extra
+    # The oldest torch tested is a release of the oldest series pyproject.toml accepts.
+    oldest = _oldest_torch()
+    assert extra[0][1].split(".")[:2] == oldest.split(".")[:2], (extra, oldest)
+    # Each torch trains its own cached models.
+    cache = [s for s in _steps("unit") if str(s.get("uses", "")).startswith("actions/cache@")]
+    assert len(cache) == 1 and "matrix.torch" in cache[0]["with"]["key"]
+    assert cache[0]["with"]["path"] == "~/.cache/minigpt"
+
+
+def test_the_link_check_runs_weekly_and_on_demand_and_keeps_its_report() -> None:
+    links = _workflow(LINKS)
+    assert set(links["on"]) == {"schedule", "workflow_dispatch"}  # never on a push
+    (cron,) = [entry["cron"] for entry in links["on"]["schedule"]]
+    minute, hour, day, month, weekday = cron.split()
+    assert day == month == "*" and weekday.isdigit(), f"not weekly: {cron}"
+    assert _run_commands("linkcheck", LINKS) == ["make linkcheck"]
+    assert links["permissions"] == {"contents": "read"}
+    upload = [s for s in _steps("linkcheck", LINKS)
+              if str(s.get("uses", "")).startswith("actions/upload-artifact@")]
+    assert len(upload) == 1 and upload[0]["if"] == "failure()"
+    assert upload[0]["with"]["path"].startswith("_build/linkcheck/")
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    assert re.search(r"^linkcheck:.*\n\t\$\(PY\) tools/linkcheck\.py$", makefile, re.MULTILINE)
+
+
+def test_make_unit_torch_puts_that_torch_in_a_venv_of_its_own() -> None:
+    # What CI's oldest-torch job runs, as a dry run: the venv, its requirements and the tests.
+    # Under `make unit` itself, the variables given to that make (TORCH=, VENV=) reach this
+    # one through MAKEFLAGS and the environment: leave them out.
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "VENV", "TORCH")}
+    result = subprocess.run(["make", "--no-print-directory", "-n", "-B", "unit", "TORCH=9.9"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=60, env=env)
+    assert result.returncode == 0, result.stderr
+    bin_dir = "Scripts" if sys.platform == "win32" else "bin"
+    lines = result.stdout.splitlines()
+    assert any(line.endswith("-m venv .venv-torch9.9") for line in lines), lines
+    sed = [line for line in lines if line.startswith("sed ")]
+    assert sed == ["sed 's/^torch==.*/torch==9.9/' requirements.txt > "
+                   ".venv-torch9.9/requirements.txt"], sed
+    assert f'.venv-torch9.9/{bin_dir}/python -m pytest -m "not book"' in lines
+    # The substitution meets exactly one line of requirements.txt: the pinned torch.
+    pinned = [line for line in (ROOT / "requirements.txt").read_text().splitlines()
+              if re.match(r"torch==", line)]
+    assert len(pinned) == 1 and re.fullmatch(r"torch==[\d.]+", pinned[0]), pinned
