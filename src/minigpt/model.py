@@ -167,8 +167,8 @@ class GPT(nn.Module):
         gpt2_layout = GPTConfig(**{k: v for k, v in config.model_dump().items()
                                    if k not in _MODERN_SWITCHES})
         if config != gpt2_layout or not config.tie_weights:
-            raise ValueError("GPT-2 weights need GPT-2's layout: positional='learned', "
-                             "tie_weights=True and the modern switches at their defaults")
+            raise ValueError("GPT-2 weights need GPT-2's layout: learned positions, a tied "
+                             "head, no modern switch")
         model = cls(config)
         own = model.state_dict()
         transposed = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
