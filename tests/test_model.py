@@ -197,5 +197,7 @@ def test_loading_rejects_mismatched_state_dicts():
     extra = dict(state) | {"transformer.h.5.ln_1.weight": torch.ones(8)}
     with pytest.raises(ValueError, match="unexpected tensor 'transformer.h.5.ln_1.weight'"):
         GPT.from_gpt2_state_dict(extra, right)
-    with pytest.raises(ValueError, match="positional='learned'"):
+    with pytest.raises(ValueError, match="positional='sinusoidal' \\(GPT-2: 'learned'\\)"):
         GPT.from_gpt2_state_dict(state, right.model_copy(update={"positional": "sinusoidal"}))
+    with pytest.raises(ValueError, match="activation='relu2'"):  # same shapes, other function
+        GPT.from_gpt2_state_dict(state, right.model_copy(update={"activation": "relu2"}))

@@ -29,10 +29,13 @@ time excludes evaluation for both: minigpt's is the sum of its step times; nanoG
 sum of its logged iteration times, where an iteration that evaluated and saved is counted
 at the median iteration time. Each round reports the time minigpt's run takes to reach
 nanoGPT's final whole-split loss, as a fraction of nanoGPT's training time, and minigpt's
-loss at nanoGPT's full training time (when its run lasts that long).
+loss by nanoGPT's full training time: that of its last evaluation made within it. The
+default runs are a short one of 130 steps (for the time to the loss) and a "fit" one, sized
+in each round from the short run's pace to end within 95 % of nanoGPT's training time, so
+that its schedule's cool-down is over by then.
 
     .venv/bin/python tools/bench_nanogpt.py NANOGPT_DIR DATA_TXT --time-to-loss \
-        --rounds 3 --minigpt-steps 1400 [--minigpt-args="--batch-size 32"]
+        --rounds 3 --threads 1 [--minigpt-steps 130,fit] [--minigpt-args="--batch-size 32"]
 """
 
 from __future__ import annotations
@@ -168,38 +171,67 @@ def time_to(curve: list[tuple[int, float, float]], target: float) -> float | Non
 
 
 def loss_at(curve: list[tuple[int, float, float]], seconds: float) -> float | None:
-    """The loss of the last evaluation made within ``seconds`` of training (None if the
-    run stopped earlier than that: its loss there is unknown)."""
-    if curve[-1][1] < seconds * 0.98:  # 2 %: the runs' lengths are matched by steps
-        return None
-    return [loss for _, t, loss in curve if t <= seconds][-1]
+    """The loss of the last evaluation made within ``seconds`` of training (None if none
+    was). A run that stopped earlier counts with its final loss: it had less time, so
+    the comparison can only be unfair to it."""
+    made = [loss for _, t, loss in curve if t <= seconds]
+    return made[-1] if made else None
+
+
+def fit_steps(curve: list[tuple[int, float, float]], seconds: float, margin: float = 0.95,
+              every: int = 1) -> int:
+    """Steps for a run that ends within ``margin`` of ``seconds``, from the pace of the run
+    whose ``curve`` is given (its training seconds per step), rounded down to ``every``."""
+    steps, spent = curve[-1][0], curve[-1][1]
+    if steps <= 0 or spent <= 0:
+        raise ValueError(f"cannot read a pace from a curve ending at step {steps}, "
+                         f"{spent} s")
+    fitted = int(margin * seconds / (spent / steps)) // every * every
+    if fitted < every:
+        raise ValueError(f"{seconds:.1f} s fit fewer than {every} steps at "
+                         f"{spent / steps * 1000:.0f} ms per step")
+    return fitted
 
 
 def time_to_loss(args: argparse.Namespace) -> int:
-    """Each round: nanoGPT's run and minigpt's runs of each --minigpt-steps, in alternation.
-    A run's time to nanoGPT's final loss counts if it reaches it; a run's loss at nanoGPT's
-    full training time counts if it lasts that long."""
-    runs = [int(n) for n in args.minigpt_steps.split(",")]
+    """Each round: nanoGPT's run and minigpt's runs of each --minigpt-steps, in alternation,
+    then (with ``fit`` in --minigpt-steps) a minigpt run sized from the first one's pace to
+    end within nanoGPT's training time of that round. A run's time to nanoGPT's final loss
+    counts if it reaches it; its loss at nanoGPT's full training time is that of its last
+    evaluation made by then."""
+    fixed = [int(n) for n in args.minigpt_steps.split(",") if n != "fit"]
+    fit = "fit" in args.minigpt_steps.split(",")
+    if not fixed:
+        raise SystemExit("--minigpt-steps needs at least one number of steps (a 'fit' run "
+                         "takes its pace from the first)")
     ratios: list[float] = []
     gaps: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             seed = args.seed + r if args.vary_seed else args.seed
-            names = ["nanogpt", *(f"minigpt-{n}" for n in runs)]
+            names = ["nanogpt", *(f"minigpt-{n}" for n in fixed)]
             curves = {}
+
+            def run(name: str, steps: int) -> list[tuple[int, float, float]]:
+                out = Path(tmp, f"{name}-{r}")  # noqa: B023 (used at once, in this round)
+                if name == "nanogpt":
+                    return nanogpt_curve(args.nanogpt, seed, out, args.eval_every)
+                return minigpt_curve(args.text, steps, seed, out,  # noqa: B023
+                                     args.eval_every, args.minigpt_args.split())
+
             for name in names if r % 2 == 0 else names[::-1]:
-                out = Path(tmp, f"{name}-{r}")
-                curves[name] = (nanogpt_curve(args.nanogpt, seed, out, args.eval_every)
-                                if name == "nanogpt" else
-                                minigpt_curve(args.text, int(name.split("-")[1]), seed, out,
-                                              args.eval_every, args.minigpt_args.split()))
+                curves[name] = run(name, 0 if name == "nanogpt" else int(name.split("-")[1]))
             _, nano_s, target = curves["nanogpt"][-1]
+            if fit:
+                n = fit_steps(curves[names[1]], nano_s)
+                names.append(f"minigpt-{n}")
+                curves[names[-1]] = run(names[-1], n)
             print(f"round {r + 1} (seed {seed}): nanoGPT trains {nano_s:.1f} s to "
                   f"{target:.4f}", flush=True)
             print("  nanoGPT      " + _curve_text(curves["nanogpt"]), flush=True)
             reached, below = [], []
-            for n in runs:
-                curve = curves[f"minigpt-{n}"]
+            for name in names[1:]:
+                curve, n = curves[name], int(name.split("-")[1])
                 when, later = time_to(curve, target), loss_at(curve, nano_s)
                 if when is not None:
                     reached.append(when / nano_s)
@@ -208,7 +240,7 @@ def time_to_loss(args: argparse.Namespace) -> int:
                 print(f"  minigpt {n:4d} " + _curve_text(curve) + "; reaches it "
                       + (f"at {when:.1f} s, {when / nano_s:.3f}x" if when is not None
                          else "never")
-                      + (f"; {target - later:.3f} lower at {nano_s:.0f} s"
+                      + (f"; {target - later:.3f} lower by {nano_s:.0f} s"
                          if later is not None else ""), flush=True)
             if reached:
                 ratios.append(min(reached))
@@ -219,7 +251,7 @@ def time_to_loss(args: argparse.Namespace) -> int:
               f"{statistics.median(ratios):.3f}x of its training time (min {min(ratios):.3f}, "
               f"max {max(ratios):.3f})")
     if gaps:
-        print(f"median loss below nanoGPT's at its full training time: "
+        print(f"median loss below nanoGPT's by its full training time: "
               f"{statistics.median(gaps):.3f} nats over {len(gaps)} rounds (min "
               f"{min(gaps):.3f}, max {max(gaps):.3f})")
     return 0
@@ -249,10 +281,10 @@ def main() -> int:
                    help="more options for minigpt's train, e.g. --minigpt-args=--bf16")
     p.add_argument("--time-to-loss", action="store_true",
                    help="compare the modern recipe's time to nanoGPT's final loss")
-    p.add_argument("--minigpt-steps", default="130,450",
+    p.add_argument("--minigpt-steps", default="130,fit",
                    help="with --time-to-loss: steps of minigpt's runs, comma-separated "
-                   "(a short run sized for the time to the loss, a long one for the loss at "
-                   "nanoGPT's full time)")
+                   "(a short run sized for the time to the loss; 'fit': a run sized from "
+                   "the first one's pace to end within nanoGPT's training time)")
     p.add_argument("--eval-every", type=int, default=100,
                    help="with --time-to-loss: steps between whole-split evaluations")
     args = p.parse_args()

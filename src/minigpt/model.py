@@ -165,10 +165,15 @@ class GPT(nn.Module):
         transposed. Buffers such as ``attn.bias`` (its causal mask) are ignored.
         """
         gpt2_layout = GPTConfig(**{k: v for k, v in config.model_dump().items()
-                                   if k not in _MODERN_SWITCHES})
-        if config != gpt2_layout or not config.tie_weights:
-            raise ValueError("GPT-2 weights need GPT-2's layout: learned positions, a tied "
-                             "head, no modern switch")
+                                   if k not in (*_MODERN_SWITCHES, "tie_weights")})
+        changed = [f"{k}={getattr(config, k)!r} (GPT-2: {getattr(gpt2_layout, k)!r})"
+                   for k in (*_MODERN_SWITCHES, "tie_weights")
+                   if getattr(config, k) != getattr(gpt2_layout, k)]
+        if config.activation not in ("gelu_tanh", "gelu"):
+            changed.append(f"activation={config.activation!r} (GPT-2: 'gelu_tanh')")
+        if changed:
+            raise ValueError("GPT-2 weights need GPT-2's layout; this config sets "
+                             + ", ".join(changed))
         model = cls(config)
         own = model.state_dict()
         transposed = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
