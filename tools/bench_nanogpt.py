@@ -35,7 +35,13 @@ in each round from the short run's pace to end within 95 % of nanoGPT's training
 that its schedule's cool-down is over by then.
 
     .venv/bin/python tools/bench_nanogpt.py NANOGPT_DIR DATA_TXT --time-to-loss \
-        --rounds 3 --threads 1 [--minigpt-steps 130,fit] [--minigpt-args="--batch-size 32"]
+        --rounds 3 --threads 1 [--clock cpu] [--minigpt-steps 130,fit] \
+        [--minigpt-args="--batch-size 32"]
+
+--clock cpu times both programs' training by their process's CPU time (both programs' own
+step timers are pointed at `time.process_time`): with one thread each, that is the wall
+time a quiet machine would show, and the load of other programs on a shared machine
+(which lengthens wall time by whatever share of a core they take) barely moves it.
 """
 
 from __future__ import annotations
@@ -124,7 +130,7 @@ def nanogpt_curve(folder: Path, seed: int, out: Path, every: int,
                   steps: int = 2000) -> list[tuple[int, float, float]]:
     """Run nanoGPT's recipe keeping a checkpoint every ``every`` steps; return (step,
     training seconds, whole-split validation loss) at each of them."""
-    keep = ("import runpy, torch; save = torch.save; "
+    keep = (CLOCK["nanogpt"] + "import runpy, torch; save = torch.save; "
             "torch.save = lambda obj, f, *a, **k: save(obj, str(f).replace("
             "'ckpt.pt', 'ckpt-%d.pt' % obj['iter_num']), *a, **k); "
             f"seed = torch.manual_seed; torch.manual_seed = lambda s: seed(s + {seed - 1337}); "
@@ -152,7 +158,9 @@ def minigpt_curve(text: Path, steps: int, seed: int, out: Path, every: int,
                   extra: list[str]) -> list[tuple[int, float, float]]:
     """Run `python -m minigpt train --recipe modern`; return (step, training seconds,
     whole-split validation loss) at each evaluation."""
-    cmd = [sys.executable, "-m", "minigpt", "train", "--text", str(text), "--tokenizer",
+    start = ["-c", CLOCK["minigpt"] + "import runpy; runpy.run_module('minigpt', "
+             "run_name='__main__', alter_sys=True)"]
+    cmd = [sys.executable, *start, "train", "--text", str(text), "--tokenizer",
            "char", "--recipe", "modern", f"--max-steps={steps}", "--eval-full",
            f"--eval-interval={every}", "--eval-steps", "1", "--seed", str(seed),
            "--out", str(out), "--no-progress", *extra]
@@ -262,6 +270,11 @@ def _curve_text(curve: list[tuple[int, float, float]]) -> str:
 
 
 THREADS: dict[str, str] = {}  # OMP_NUM_THREADS for both programs, when --threads is given
+# With --clock cpu, each program's own step timer reads its process's CPU time instead of
+# the wall clock (nanoGPT times iterations with time.time, minigpt with time.perf_counter).
+CLOCK: dict[str, str] = {"nanogpt": "", "minigpt": ""}
+CPU_CLOCK = {"nanogpt": "import time; time.time = time.process_time; ",
+             "minigpt": "import time; time.perf_counter = time.process_time; "}
 
 
 def _env(extra: dict[str, str]) -> dict[str, str]:
@@ -287,7 +300,13 @@ def main() -> int:
                    "the first one's pace to end within nanoGPT's training time)")
     p.add_argument("--eval-every", type=int, default=100,
                    help="with --time-to-loss: steps between whole-split evaluations")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="with --time-to-loss: time training by the wall clock, or by each "
+                   "process's CPU time (with --threads 1, what a quiet machine's wall clock "
+                   "would show; another program's load on a shared machine barely moves it)")
     args = p.parse_args()
+    if args.clock == "cpu":
+        CLOCK.update(CPU_CLOCK)
     if args.threads is not None:
         THREADS["OMP_NUM_THREADS"] = str(args.threads)
     if not (args.nanogpt / "data" / "shakespeare_char" / "train.bin").is_file():

@@ -1,0 +1,101 @@
+"""Many small training runs at once, one per core: ablations and sweeps.
+
+A model small enough to train many times uses one core well and a second one badly (its
+matrices are too small to split), so a sweep runs whole runs side by side instead: each in
+its own process with one thread. Every run is seeded by its own `TrainConfig`, so a run's
+result does not depend on which process ran it or what ran beside it: `train_many` returns
+exactly what calling `train` on each run in turn (with one thread) returns.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+
+import numpy as np
+import torch
+
+from minigpt.config import GPTConfig
+from minigpt.train import TrainConfig, TrainResult, train
+
+_DATA: dict[str, np.ndarray] = {}  # each worker's copy of the token ids, sent once
+
+
+def _start_worker(train_data: np.ndarray, val_data: np.ndarray) -> None:
+    torch.set_num_threads(1)
+    _DATA["train"], _DATA["val"] = train_data, val_data
+
+
+def _run(run: tuple[GPTConfig, TrainConfig]) -> TrainResult:
+    return train(*run, _DATA["train"], _DATA["val"], progress=False)
+
+
+class RunPool:
+    """Processes that train runs side by side; use it as a context manager.
+
+    ``workers`` processes (default: one per core) each train one run at a time with one
+    thread, on the token ids given here (sent to each process once); ``workers=1`` trains
+    in this process, one run after the other. New processes are started (not forked), so
+    this works the same on every system and inside Jupyter; each pays for importing torch
+    once (a second or two), which is why a pool is kept for a whole sweep.
+    """
+
+    def __init__(self, train_data: np.ndarray, val_data: np.ndarray, *,
+                 workers: int | None = None) -> None:
+        workers = os.cpu_count() or 1 if workers is None else workers
+        if workers < 1:
+            raise ValueError(f"workers must be at least 1, got {workers}")
+        self.workers = workers
+        self._data = (np.asarray(train_data), np.asarray(val_data))
+        self._pool: ProcessPoolExecutor | None = None
+        self._closed = False
+        if workers > 1:
+            self._pool = ProcessPoolExecutor(
+                workers, mp_context=multiprocessing.get_context("spawn"),
+                initializer=_start_worker, initargs=self._data)
+
+    def train(self, runs: Sequence[tuple[GPTConfig, TrainConfig]]) -> list[TrainResult]:
+        """Train each (model config, training config) pair from scratch; results in order,
+        each exactly what `train` on that pair with one thread returns."""
+        if self._closed:
+            raise RuntimeError("this RunPool is closed: make a new one to train more runs")
+        runs = list(runs)
+        for i, run in enumerate(runs):
+            if (not isinstance(run, tuple) or len(run) != 2
+                    or not isinstance(run[0], GPTConfig)
+                    or not isinstance(run[1], TrainConfig)):
+                raise TypeError(f"run {i} is {run!r}: each run must be a (GPTConfig, "
+                                "TrainConfig) pair")
+        if self._pool is None:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                return [train(*run, *self._data, progress=False) for run in runs]
+            finally:
+                torch.set_num_threads(threads)
+        return list(self._pool.map(_run, runs))
+
+    def close(self) -> None:
+        """Stop the processes (a pool that is closed cannot train again)."""
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+        self._data = (np.empty(0), np.empty(0))
+        self._closed = True
+
+    def __enter__(self) -> RunPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def train_many(runs: Sequence[tuple[GPTConfig, TrainConfig]], train_data: np.ndarray,
+               val_data: np.ndarray, *, workers: int | None = None) -> list[TrainResult]:
+    """`RunPool.train` on a pool made for these runs alone (at most one process per run)."""
+    runs = list(runs)
+    workers = min(len(runs), os.cpu_count() or 1) if workers is None else workers
+    with RunPool(train_data, val_data, workers=workers) as pool:
+        return pool.train(runs)
