@@ -342,6 +342,15 @@ def test_every_config_field_has_its_flag(capsys: pytest.CaptureFixture[str]) -> 
         assert "--" + field.replace("_", "-") in flags, field
 
 
+def test_a_default_that_follows_from_other_flags_is_not_shown_as_a_number(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    d_ff = text[text.rindex("--d-ff D_FF"):text.rindex("--dropout DROPOUT")]  # its help
+    assert "default:" not in d_ff and "4 D" in d_ff  # 4 D of the D given, not 512
+    assert "--d-model D_MODEL" in text and "(default: 128)" in text  # others keep theirs
+
+
 def test_usage_errors_of_the_command_itself(capsys: pytest.CaptureFixture[str]) -> None:
     _fails([], capsys, 2, "the following arguments are required: COMMAND")
     _fails(["tran"], capsys, 2, "invalid choice: 'tran'", "'train'")

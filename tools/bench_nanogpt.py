@@ -220,20 +220,12 @@ def time_to_loss(args: argparse.Namespace) -> int:
             names = ["nanogpt", *(f"minigpt-{n}" for n in fixed)]
             curves = {}
 
-            def run(name: str, steps: int) -> list[tuple[int, float, float]]:
-                out = Path(tmp, f"{name}-{r}")  # noqa: B023 (used at once, in this round)
-                if name == "nanogpt":
-                    return nanogpt_curve(args.nanogpt, seed, out, args.eval_every)
-                return minigpt_curve(args.text, steps, seed, out,  # noqa: B023
-                                     args.eval_every, args.minigpt_args.split())
-
             for name in names if r % 2 == 0 else names[::-1]:
-                curves[name] = run(name, 0 if name == "nanogpt" else int(name.split("-")[1]))
+                curves[name] = _curve(args, name, seed, Path(tmp, f"{name}-{r}"))
             _, nano_s, target = curves["nanogpt"][-1]
             if fit:
-                n = fit_steps(curves[names[1]], nano_s)
-                names.append(f"minigpt-{n}")
-                curves[names[-1]] = run(names[-1], n)
+                names.append(f"minigpt-{fit_steps(curves[names[1]], nano_s)}")
+                curves[names[-1]] = _curve(args, names[-1], seed, Path(tmp, f"{names[-1]}-{r}"))
             print(f"round {r + 1} (seed {seed}): nanoGPT trains {nano_s:.1f} s to "
                   f"{target:.4f}", flush=True)
             print("  nanoGPT      " + _curve_text(curves["nanogpt"]), flush=True)
@@ -263,6 +255,15 @@ def time_to_loss(args: argparse.Namespace) -> int:
               f"{statistics.median(gaps):.3f} nats over {len(gaps)} rounds (min "
               f"{min(gaps):.3f}, max {max(gaps):.3f})")
     return 0
+
+
+def _curve(args: argparse.Namespace, name: str, seed: int,
+           out: Path) -> list[tuple[int, float, float]]:
+    """The curve of run ``name``: "nanogpt", or "minigpt-<steps>"."""
+    if name == "nanogpt":
+        return nanogpt_curve(args.nanogpt, seed, out, args.eval_every)
+    return minigpt_curve(args.text, int(name.split("-")[1]), seed, out, args.eval_every,
+                         args.minigpt_args.split())
 
 
 def _curve_text(curve: list[tuple[int, float, float]]) -> str:

@@ -65,7 +65,7 @@ class GPTConfig(BaseModel):
     d_model: int = Field(gt=0)
     n_heads: int = Field(gt=0)
     n_layers: int = Field(gt=0)
-    d_ff: int = Field(gt=0)
+    d_ff: int = Field(gt=0, json_schema_extra={"derived_default": True})  # from D
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
     bias: bool = True
     tie_weights: bool = True

@@ -38,7 +38,8 @@ def add_model_flags(parser: Any, model: type[BaseModel], defaults: BaseModel | N
     """One flag per field of a pydantic model, `--field-name`: Literal -> choices, bool ->
     --flag/--no-flag, int/float/str/Path (and X | None as X); help from the field's
     description, else the class docstring's Attributes: line; the default shown from
-    ``defaults`` or the field. The ``exclusive`` fields form a mutually exclusive group."""
+    ``defaults`` or the field (none for a field marked ``derived_default``, whose default
+    follows from other fields). The ``exclusive`` fields form a mutually exclusive group."""
     docs = _attribute_docs(model)
     group = parser.add_mutually_exclusive_group() if exclusive else parser
     for name, field in model.model_fields.items():
@@ -50,7 +51,10 @@ def add_model_flags(parser: Any, model: type[BaseModel], defaults: BaseModel | N
         choices = get_args(kind) if get_origin(kind) is Literal else None
         default = getattr(defaults, name, field.default)
         text = field.description or docs.get(name) or name.replace("_", " ")
-        if default is not None and default is not PydanticUndefined and kind is not bool:
+        derived = isinstance(field.json_schema_extra, dict) and bool(
+            field.json_schema_extra.get("derived_default"))  # e.g. d_ff = 4 D: no one value
+        if (default is not None and default is not PydanticUndefined and kind is not bool
+                and not derived):
             text += f" (default: {default!r})"
         options: dict[str, Any] = {"help": text.replace("%", "%%")}
         if kind is bool:
