@@ -843,15 +843,15 @@ def sampling_explorer(logits: Any, prompts: Sequence[str], tokens: Sequence[str]
             for t, v in zip(tokens, row, strict=True)]
     V = len(tokens)
     prompt = alt.param(name="prompt", value=names[0],
-                       bind=alt.binding_select(options=names, name="prompt "))
+                       bind=alt.binding_select(options=names, name="prompt:"))
     tau = alt.param(name="temperature", value=1.0,
-                    bind=alt.binding_range(min=0.05, max=3, step=0.05, name="temperature τ "))
+                    bind=alt.binding_range(min=0.05, max=3, step=0.05, name="temperature τ:"))
     top_k = alt.param(name="top_k", value=V,
-                      bind=alt.binding_range(min=1, max=V, step=1, name="top-k k "))
+                      bind=alt.binding_range(min=1, max=V, step=1, name="top-k:"))
     top_p = alt.param(name="top_p", value=1.0,
-                      bind=alt.binding_range(min=0.05, max=1, step=0.01, name="top-p ρ "))
-    by_logit = [alt.SortField("z", order="descending")]
-    base = (alt.Chart(alt.Data(name="logits"))
+                      bind=alt.binding_range(min=0.05, max=1, step=0.01, name="top-p ρ:"))
+    by_logit: list[Any] = [alt.SortField("z", order="descending")]
+    base = (alt.Chart(alt.NamedData(name="logits"))
             .transform_filter("datum.prompt == prompt")
             .transform_calculate(zt="datum.z / temperature")
             .transform_joinaggregate(zmax="max(zt)")
@@ -922,14 +922,14 @@ def attention_explorer(maps: Sequence[Any], tokens: Sequence[str]) -> Interactiv
             for li, w in enumerate(layers) for h in range(heads) for q in range(length)]
     layer = alt.param(name="layer", value=0, bind=alt.binding_select(
         options=list(range(len(layers))), labels=[f"layer {i}" for i in range(len(layers))],
-        name="layer "))
+        name="layer:"))
     head = alt.param(name="head", value=0, bind=alt.binding_select(
-        options=list(range(heads)), labels=[f"head {h}" for h in range(heads)], name="head "))
+        options=list(range(heads)), labels=[f"head {h}" for h in range(heads)], name="head:"))
     names = alt.param(name="tokens", value=shown)
     hover = alt.selection_point(name="cell", on="pointerover", clear="pointerout",
                                 fields=["query", "key"], empty=False)
     label = "tokens[datum.value]"
-    chart = (alt.Chart(alt.Data(values=rows))
+    chart = (alt.Chart(alt.InlineData(values=rows))
              .transform_filter("datum.layer == layer && datum.head == head")
              .transform_flatten(["w"], as_=["thousandths"])
              .transform_window(index="row_number()", groupby=["query"])
@@ -941,7 +941,7 @@ def attention_explorer(maps: Sequence[Any], tokens: Sequence[str]) -> Interactiv
                              axis=alt.Axis(labelExpr=label, labelAngle=0, orient="top")),
                      y=alt.Y("query:O", title="query (attending)",
                              axis=alt.Axis(labelExpr=label)),
-                     color=alt.Color("weight:Q", scale=alt.Scale(scheme=SEQUENTIAL_CMAP,
+                     color=alt.Color("weight:Q", scale=alt.Scale(scheme="viridis",
                                                                  domain=[0, 1]),
                                      title="weight"),
                      stroke=alt.condition(hover, alt.value("#e4572e"), alt.value(None)),
@@ -992,12 +992,13 @@ def rotation_explorer(encoding: Any, pairs: Sequence[int], *, base: float = 1000
             for p, (s, c) in enumerate(zip(_rounded(P[:, 2 * i], 4),
                                            _rounded(P[:, 2 * i + 1], 4), strict=True))]
     offset = alt.param(name="offset", value=min(5, k_max), bind=alt.binding_range(
-        min=0, max=k_max, step=1, name="offset k "))
+        min=0, max=k_max, step=1, name="offset k:"))
     position = alt.param(name="position", value=min(20, length - 1 - k_max),
                          bind=alt.binding_range(min=0, max=length - 1 - k_max, step=1,
-                                                name="position p "))
-    data = alt.Data(name="encoding")
-    axis = {"scale": alt.Scale(domain=[-1.15, 1.15]), "axis": None, "title": None}
+                                                name="position p:"))
+    data = alt.NamedData(name="encoding")
+    axis: dict[str, Any] = {"scale": alt.Scale(domain=[-1.15, 1.15]), "axis": None,
+                            "title": None}
     xy = {"x": alt.X("cos:Q", **axis), "y": alt.Y("sin:Q", **axis)}
     rotated_xy = {"x": alt.X("rot_cos:Q", **axis), "y": alt.Y("rot_sin:Q", **axis)}
     centre = {"x2": alt.datum(0), "y2": alt.datum(0)}
@@ -1068,7 +1069,7 @@ def training_explorer(history: Mapping[str, Sequence[float]], *,
     # A fixed domain: the hover rule's empty data would otherwise widen it to infinity.
     x = alt.X("step:Q", title="optimiser step",
               scale=alt.Scale(domain=[0, history["step"][-1] + 1], nice=False))
-    base = alt.Chart(alt.Data(name="steps")).properties(width=620)
+    base = alt.Chart(alt.NamedData(name="steps")).properties(width=620)
     lr = base.mark_line(color="#3b6fb6").encode(
         x=x, y=alt.Y("lr:Q", title="learning rate", axis=alt.Axis(format=".1e")))
     loss = base.mark_line(color="#c8c8c8", strokeWidth=1).encode(
@@ -1077,7 +1078,7 @@ def training_explorer(history: Mapping[str, Sequence[float]], *,
                alt.Tooltip("loss:Q", format=".3f", title="batch loss")]
     catcher = base.mark_point(opacity=0, size=30).encode(x=x, y="loss:Q", tooltip=tooltip)
     rule = base.mark_rule(color="#e4572e").encode(x=x).transform_filter(hover)
-    evaluations = (alt.Chart(alt.Data(values=evals))
+    evaluations = (alt.Chart(alt.InlineData(values=evals))
                    .mark_line(point=True, strokeWidth=2)
                    .encode(x=x, y="eval_loss:Q",
                            color=alt.Color("split:N", title="evaluation",
