@@ -549,7 +549,7 @@ def test_attention_explorer_keeps_the_causal_half_in_thousandths():
 def test_rotation_explorer_carries_the_encoding_of_the_pairs_shown():
     P = sinusoidal_encoding(16, 8)
     spec = _chart_spec(viz.rotation_explorer(P, [0, 3], max_offset=6))
-    rows = spec["datasets"]["encoding"]
+    rows = spec["datasets"][spec["data"]["name"]]
     assert len(rows) == 2 * 16
     row = next(r for r in rows if (r["pair"], r["pos"]) == (3, 11))
     assert row["sin"] == pytest.approx(P[11, 6].item(), abs=1e-4)

@@ -996,44 +996,42 @@ def rotation_explorer(encoding: Any, pairs: Sequence[int], *, base: float = 1000
     position = alt.param(name="position", value=min(20, length - 1 - k_max),
                          bind=alt.binding_range(min=0, max=length - 1 - k_max, step=1,
                                                 name="position p:"))
-    data = alt.NamedData(name="encoding")
     axis: dict[str, Any] = {"scale": alt.Scale(domain=[-1.15, 1.15]), "axis": None,
                             "title": None}
     xy = {"x": alt.X("cos:Q", **axis), "y": alt.Y("sin:Q", **axis)}
     rotated_xy = {"x": alt.X("rot_cos:Q", **axis), "y": alt.Y("rot_sin:Q", **axis)}
     centre = {"x2": alt.datum(0), "y2": alt.datum(0)}
-    panels = []
-    for i in pairs:
-        pair = alt.Chart(data).transform_filter(f"datum.pair == {i}")
-        start = (pair.transform_filter("datum.pos == position")
-                 .transform_calculate(phi=f"pow({base}, -2 * datum.pair / {width}) * offset")
-                 .transform_calculate(
-                     rot_cos="datum.cos * cos(datum.phi) - datum.sin * sin(datum.phi)",
-                     rot_sin="datum.sin * cos(datum.phi) + datum.cos * sin(datum.phi)",
-                     degrees="(datum.phi * 180 / PI) % 360"))
-        circle = (alt.Chart(alt.sequence(0, 6.3, 0.05, as_="t"))
-                  .transform_calculate(cos="cos(datum.t)", sin="sin(datum.t)")
-                  .mark_line(color="#bbbbbb", strokeWidth=1).encode(**xy, order="t:Q"))
-        origin = start.mark_rule(color="#888888").encode(**xy, **centre)
-        spoke = start.mark_rule(color="#e4572e").encode(**rotated_xy, **centre)
-        from_p = start.mark_point(filled=True, color="#555555", size=50).encode(**xy)
-        target = (pair.transform_filter("datum.pos == position + offset")
-                  .mark_point(color="black", size=220, strokeWidth=1.5)
-                  .encode(**xy).properties(name=f"target{i}"))
-        rotated = (start.mark_point(filled=True, color="#e4572e", size=70)
-                   .encode(**rotated_xy,
-                           tooltip=[alt.Tooltip("degrees:Q", format=".1f",
-                                                title="angle ω k (degrees)")])
-                   .properties(name=f"rotated{i}"))
-        angle = (start.transform_calculate(label="'ω k = ' + format(datum.degrees, '.0f') + '°'")
-                 .mark_text(x=4, y=8, align="left", fontSize=11).encode(text="label:N"))
-        omega = base ** (-2 * i / width)
-        panels.append(alt.layer(circle, origin, spoke, from_p, target, rotated, angle)
-                      .properties(width=150, height=150,
-                                  title=f"pair {i}: ω = {omega:.3g}"))
-    chart = (alt.concat(*panels, columns=3).add_params(offset, position)
-             .properties(datasets={"encoding": rows},
-                         description="Rotations of sinusoidal encoding pairs"))
+    base_chart = alt.Chart().properties(width=150, height=150)
+    # The unit circle, drawn through one point per row of the pair.
+    circle = (base_chart.transform_calculate(t=f"2 * PI * datum.pos / {length - 1}")
+              .transform_calculate(cos="cos(datum.t)", sin="sin(datum.t)")
+              .mark_line(color="#bbbbbb", strokeWidth=1).encode(**xy, order="pos:Q"))
+    start = (base_chart.transform_filter("datum.pos == position")
+             .transform_calculate(phi=f"pow({base}, -2 * datum.pair / {width}) * offset")
+             .transform_calculate(
+                 rot_cos="datum.cos * cos(datum.phi) - datum.sin * sin(datum.phi)",
+                 rot_sin="datum.sin * cos(datum.phi) + datum.cos * sin(datum.phi)",
+                 degrees="(datum.phi * 180 / PI) % 360")
+             .transform_calculate(label="'ω k = ' + format(datum.degrees, '.0f') + '°'"))
+    origin = start.mark_rule(color="#888888").encode(**xy, **centre)
+    spoke = start.mark_rule(color="#e4572e").encode(**rotated_xy, **centre)
+    from_p = start.mark_point(filled=True, color="#555555", size=50).encode(**xy)
+    target = (base_chart.transform_filter("datum.pos == position + offset")
+              .mark_point(color="black", size=220, strokeWidth=1.5)
+              .encode(**xy).properties(name="target"))
+    rotated = (start.mark_point(filled=True, color="#e4572e", size=70)
+               .encode(**rotated_xy, tooltip=[alt.Tooltip("degrees:Q", format=".1f",
+                                                          title="angle ω k (degrees)")])
+               .properties(name="rotated"))
+    angle = start.mark_text(x=4, y=8, align="left", fontSize=11).encode(text="label:N")
+    header = alt.Header(title=None, labelFontSize=12, labelFontWeight="bold",
+                        labelExpr=f"'pair ' + datum.value + ': ω = ' + "
+                                  f"format(pow({base}, -2 * datum.value / {width}), '.3g')")
+    chart = (alt.layer(circle, origin, spoke, from_p, target, rotated, angle,
+                       data=alt.InlineData(values=rows))
+             .facet(facet=alt.Facet("pair:O", header=header), columns=3)
+             .add_params(offset, position)
+             .properties(description="Rotations of sinusoidal encoding pairs"))
     return interactive_chart(
         chart, "rotation-explorer",
         description=f"For the pairs of dimensions {', '.join(map(str, pairs))} of the "
@@ -1077,7 +1075,8 @@ def training_explorer(history: Mapping[str, Sequence[float]], *,
     tooltip = [alt.Tooltip("step:Q"), alt.Tooltip("lr:Q", format=".3e", title="learning rate"),
                alt.Tooltip("loss:Q", format=".3f", title="batch loss")]
     catcher = base.mark_point(opacity=0, size=30).encode(x=x, y="loss:Q", tooltip=tooltip)
-    rule = base.mark_rule(color="#e4572e").encode(x=x).transform_filter(hover)
+    # Decorative (aria=False): empty until a step is hovered, it would be an unnamed graphic.
+    rule = base.mark_rule(color="#e4572e", aria=False).encode(x=x).transform_filter(hover)
     evaluations = (alt.Chart(alt.InlineData(values=evals))
                    .mark_line(point=True, strokeWidth=2)
                    .encode(x=x, y="eval_loss:Q",
@@ -1094,7 +1093,8 @@ def training_explorer(history: Mapping[str, Sequence[float]], *,
     chart = (alt.vconcat(readout,
                          alt.layer(lr, rule).properties(height=120),
                          alt.layer(loss, evaluations, rule,
-                                   catcher.add_params(hover)).properties(height=220))
+                                   catcher.add_params(hover).properties(name="steps"))
+                         .properties(height=220))
              .resolve_scale(color="independent")
              .properties(datasets={"steps": steps},
                          description="Learning rate and losses of a training run"))
