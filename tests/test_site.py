@@ -99,6 +99,9 @@ def _is_external(url: str) -> bool:
     return scheme not in ("", "data", "blob", "about", "javascript", "mailto")
 
 
+_SCRIPT_TYPES = ("", "text/javascript", "application/javascript", "module")
+
+
 class _ResourceRefs(HTMLParser):
     """Collects the URLs a page *loads* (scripts, styles, fonts, images, frames)."""
 
@@ -123,6 +126,10 @@ class _ResourceRefs(HTMLParser):
         if "style" in a:
             self.refs += [("style attribute", u) for u in _css_urls(a["style"])]
         self._in = tag if tag in ("script", "style") else None
+        if tag == "script" and a.get("type", "text/javascript") not in _SCRIPT_TYPES:
+            # A data block (an interactive figure's JSON, whose "$schema" names
+            # vega.github.io) is never run, so it loads nothing.
+            self._in = None
 
     def handle_data(self, data: str) -> None:
         if self._in == "style":
@@ -145,6 +152,13 @@ def test_site_is_built() -> None:
     _require_site()
     missing = [p for p in PAGES if not (SITE / f"{p}.html").exists()]
     assert not missing, f"pages in _toc.yml that the build did not produce: {missing}"
+
+
+def test_scripts_that_would_run_are_scanned_and_data_blocks_are_not() -> None:
+    parser = _ResourceRefs()
+    parser.feed('<script>fetch("https://example.org/a.js")</script><script type="application/'
+                'json">{"$schema": "https://vega.github.io/schema/vega-lite/v6.json"}</script>')
+    assert parser.refs == [("inline <script>", "https://example.org/a.js")]
 
 
 def test_pages_load_nothing_from_other_hosts() -> None:
