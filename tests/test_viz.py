@@ -533,7 +533,7 @@ def test_attention_explorer_keeps_the_causal_half_in_thousandths():
     maps = [_weights(1, 2, 4, seed=s) for s in range(3)]
     chart = viz.attention_explorer(maps, "abcd")
     spec = _chart_spec(chart)
-    rows = spec["data"]["values"]
+    rows = spec["datasets"][spec["data"]["name"]]
     assert len(rows) == 3 * 2 * 4
     row = next(r for r in rows if (r["layer"], r["head"], r["query"]) == (2, 1, 3))
     assert row["w"] == [round(1000 * w) for w in maps[2][0, 1, 3].tolist()]
