@@ -91,10 +91,14 @@ system-deps:
 
 # Every chapter is executed afresh on every build (no stale outputs when only src/ changed):
 # a fresh Sphinx environment (--all, and no old doctrees) and an empty execution cache.
-# Warnings are errors; --keep-going reports all of them before failing. PYTHONHASHSEED
-# is the same here, under nbval and in `make baseline`.
+# tools/execute_chapters.py fills that cache with the chapters executed two at a time (each
+# runs on one thread), as myst-nb would execute them; Sphinx then finds every chapter there
+# and executes nothing again. Warnings are errors; --keep-going reports all of them before
+# failing. PYTHONHASHSEED is the same here, under nbval and in `make baseline`.
+CHAPTER_JOBS ?= 2
 book: setup
 	rm -rf _build/.doctrees _build/html _build/jupyter_execute _build/.jupyter_cache
+	PYTHONHASHSEED=0 $(PY) tools/execute_chapters.py --jobs $(CHAPTER_JOBS)
 	PYTHONHASHSEED=0 $(BIN)/jupyter-book build --all --warningiserror --keep-going --path-output . .
 
 # The whole book as one PDF, _build/pdf/minigpt-book.pdf (tools/make_pdf.py): Sphinx's
@@ -107,9 +111,11 @@ pdf: book system-deps
 # The lint first (a lint failure fails at once), then every test: the package's (hypothesis
 # searching thoroughly), the chapters' outputs of the build just made compared with the
 # stored ones (tests/test_chapter_outputs.py; each chapter is executed once, by the build),
-# headless Chromium over the built site, and the PDF.
+# headless Chromium over the built site, and the PDF. pytest-xdist runs them on
+# TEST_JOBS processes (one per core here), test files spread over them.
+TEST_JOBS ?= 2
 test: lint setup system-deps book pdf
-	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest
+	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest -n $(TEST_JOBS)
 
 # The quick loop while editing the package: every test that needs no built book (< 1 min).
 unit: setup

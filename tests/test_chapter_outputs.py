@@ -105,6 +105,23 @@ def test_built_outputs_equal_the_stored_ones(chapter: Path) -> None:
             "If the change is intended: make baseline CHAPTERS=" + chapter.stem)
 
 
+def test_the_build_executed_each_chapter_once() -> None:
+    """`make book` executes the chapters two at a time (tools/execute_chapters.py) before
+    Sphinx reads them; Sphinx must then find each one in the cache. A second execution
+    means the two read a chapter into different notebooks, and every build pays twice."""
+    from jupyter_cache import get_cache
+
+    assert (CACHE / "global.db").is_file(), f"{CACHE} is missing: build the book (make book)"
+    runs: dict[Path, int] = defaultdict(int)
+    for record in get_cache(CACHE).list_cache_records():
+        runs[Path(record.uri)] += 1
+    twice = {c.relative_to(ROOT).as_posix(): runs[c] for c in CHAPTERS if runs[c] > 1}
+    assert not twice, (
+        f"executed more than once in the build (times): {twice}. If the book was built by "
+        "hand (jupyter-book build) after an edit, run make book; otherwise "
+        "tools/execute_chapters.py reads these chapters differently from myst-nb")
+
+
 def _show(view: dict[str, list[Any]]) -> str:
     return "\n".join(f"[{key}]\n" + "\n".join(map(str, values)) for key, values in view.items())
 

@@ -1,0 +1,91 @@
+"""tools/execute_chapters.py: it executes what the build would execute, keyed as the build
+looks it up, longest chapters first; a failing chapter is reported, not cached."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers import ROOT, load_baseline_tool, load_tool
+
+tool = load_tool("execute_chapters")
+baseline = load_baseline_tool()
+CHAPTERS = baseline.notebook_chapters()
+SETTINGS = tool.book_settings()
+
+HEADER = """---
+jupytext:
+  text_representation:
+    extension: .md
+    format_name: myst
+kernelspec:
+  display_name: Python 3
+  language: python
+  name: python3
+---
+"""
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda p: p.stem)
+def test_a_chapter_is_read_into_the_code_jupyter_reads(chapter: Path) -> None:
+    ours = [c.source for c in tool.read_chapter(chapter, SETTINGS["extensions"]).cells
+            if c.cell_type == "code"]
+    jupyter = [c.source for c in baseline.read_chapter(chapter).cells
+               if c.cell_type == "code"]
+    assert ours == jupyter
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda p: p.stem)
+def test_a_chapter_gets_the_cache_key_myst_nb_looks_up(chapter: Path, tmp_path: Path) -> None:
+    from jupyter_cache import get_cache
+    from myst_nb.core.read import myst_nb_reader_plugin
+
+    cache = get_cache(tmp_path)
+    ours = cache.create_hashed_notebook(tool.read_chapter(chapter, SETTINGS["extensions"]))
+    mystnb = cache.create_hashed_notebook(myst_nb_reader_plugin(str(chapter)))
+    assert ours[1] == mystnb[1]
+
+
+def test_the_longest_chapters_start_first() -> None:
+    order = [c.stem for c in tool.longest_first(CHAPTERS)]
+    measured = [stem for stem in order if stem in tool.MEASURED_SECONDS]
+    assert measured == sorted(measured, key=lambda s: -tool.MEASURED_SECONDS[s])
+    assert order[:len(measured)] == measured  # the unmeasured ones come after
+    assert set(tool.MEASURED_SECONDS) <= {c.stem for c in CHAPTERS}, "a stale name"
+
+
+def test_execution_returns_outputs_or_the_error(tmp_path: Path) -> None:
+    good = tmp_path / "good.md"
+    good.write_text(HEADER + "```{code-cell} ipython3\nprint(6 * 7)\n```\n", "utf-8")
+    nb, seconds, error = tool.execute(good, SETTINGS)
+    assert error is None and seconds > 0
+    assert nb.cells[0].outputs[0]["text"] == "42\n"
+    bad = tmp_path / "bad.md"
+    bad.write_text(HEADER + "```{code-cell} ipython3\n1 / 0\n```\n", "utf-8")
+    _, _, error = tool.execute(bad, SETTINGS)
+    assert error is not None and "ZeroDivisionError" in error
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--jobs", "0"], "--jobs must be at least 1, got 0"),
+    (["no_such_chapter"], "no chapter named no_such_chapter; the chapters are "),
+])
+def test_bad_arguments_are_refused(argv: list[str], message: str,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        tool.main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_book_that_does_not_cache_is_refused(tmp_path: Path) -> None:
+    config = tmp_path / "_config.yml"
+    config.write_text("execute:\n  execute_notebooks: force\n", "utf-8")
+    with pytest.raises(SystemExit, match="execute_notebooks must be 'cache'"):
+        tool.book_settings(config)
+
+
+def test_the_book_is_built_with_it() -> None:
+    makefile = (ROOT / "Makefile").read_text("utf-8")
+    book = makefile[makefile.index("\nbook:"):makefile.index("\n\n", makefile.index("\nbook:"))]
+    assert "$(PY) tools/execute_chapters.py" in book.split("jupyter-book build")[0]
