@@ -30,12 +30,12 @@ sum of its logged iteration times, where an iteration that evaluated and saved i
 at the median iteration time. Each round reports the time minigpt's run takes to reach
 nanoGPT's final whole-split loss, as a fraction of nanoGPT's training time, and minigpt's
 loss by nanoGPT's full training time: that of its last evaluation made within it. The
-default runs are a short one of 130 steps (for the time to the loss) and a "fit" one, sized
+default runs are a short one of 110 steps (for the time to the loss) and a "fit" one, sized
 in each round from the short run's pace to end within 95 % of nanoGPT's training time, so
 that its schedule's cool-down is over by then.
 
     .venv/bin/python tools/bench_nanogpt.py NANOGPT_DIR DATA_TXT --time-to-loss \
-        --rounds 3 --threads 1 [--clock cpu] [--minigpt-steps 130,fit] \
+        --rounds 3 --threads 1 [--clock cpu] [--minigpt-steps 110,fit] \
         [--minigpt-args="--batch-size 32"]
 
 --clock cpu times both programs' training by their process's CPU time (both programs' own
@@ -295,7 +295,7 @@ def main() -> int:
                    help="more options for minigpt's train, e.g. --minigpt-args=--bf16")
     p.add_argument("--time-to-loss", action="store_true",
                    help="compare the modern recipe's time to nanoGPT's final loss")
-    p.add_argument("--minigpt-steps", default="130,fit",
+    p.add_argument("--minigpt-steps", default="110,fit",
                    help="with --time-to-loss: steps of minigpt's runs, comma-separated "
                    "(a short run sized for the time to the loss; 'fit': a run sized from "
                    "the first one's pace to end within nanoGPT's training time)")
