@@ -43,10 +43,17 @@ def big_bpe(macbeth: str) -> BPETokenizer:
 
 
 # Text that looks like the corpus (so that many merges fire), mixed with arbitrary Unicode.
+# Arbitrary, but assigned in Python's own Unicode database (14.0, what hypothesis draws
+# categories from): the two regex engines carry later and different Unicode versions, so a
+# code point assigned since may be a digit or letter to one and not to the other (U+11DE0
+# is \p{N} to Python's `regex` and neither letter nor digit to tiktoken's engine, which
+# then splits "\U00011de0's" differently). Such text is outside what a test can hold fixed.
+assigned = st.characters(exclude_categories=["Cn", "Cs"])
 WORDS = ["the", " the", "Macbeth", " king", "'s", " thou", "\n", "  ", ",", ":", "!", "--",
          " 1606", "encoding", " ", "\t", "\u00e9", "\U0001f600", ENDOFTEXT[:5]]
-shakespearean = st.lists(st.sampled_from(WORDS) | st.text(max_size=3), max_size=40).map("".join)
-any_text = st.text() | shakespearean
+shakespearean = st.lists(st.sampled_from(WORDS) | st.text(assigned, max_size=3),
+                         max_size=40).map("".join)
+any_text = st.text(assigned) | shakespearean
 
 
 # ----------------------------------------------------------------------------- characters
