@@ -54,6 +54,20 @@ def test_the_longest_chapters_start_first() -> None:
     assert set(tool.MEASURED_SECONDS) <= {c.stem for c in CHAPTERS}, "a stale name"
 
 
+def test_two_chapters_that_use_both_cores_never_run_together() -> None:
+    by_stem = {c.stem: c for c in CHAPTERS}
+    assert tool.TWO_CORES <= set(by_stem)
+    heavy = [by_stem[s] for s in sorted(tool.TWO_CORES)]
+    light = [c for c in tool.longest_first(CHAPTERS) if c.stem not in tool.TWO_CORES]
+    waiting = tool.longest_first(CHAPTERS)
+    assert tool.next_chapter(waiting, []) == waiting[0]
+    # Beside a two-core chapter the next one to start is the longest light one...
+    assert tool.next_chapter(waiting, heavy[:1]) == light[0]
+    # ...and with only two-core chapters waiting, none starts until it ends.
+    assert tool.next_chapter(heavy[1:], heavy[:1]) is None
+    assert tool.next_chapter(heavy[1:], light[:1]) == heavy[1]
+
+
 def test_execution_returns_outputs_or_the_error(tmp_path: Path) -> None:
     good = tmp_path / "good.md"
     good.write_text(HEADER + "```{code-cell} ipython3\nprint(6 * 7)\n```\n", "utf-8")
