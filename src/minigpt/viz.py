@@ -816,6 +816,75 @@ def _rounded(values: Any, digits: int) -> list[Any]:
     return np.round(_to_numpy(values, "values"), digits).tolist()  # type: ignore[no-any-return]
 
 
+def _sampling_sliders(names: list[str], V: int) -> list[Any]:
+    """The selector of the prompt and the sliders of τ, k and ρ."""
+    import altair as alt
+
+    prompt = alt.param(name="prompt", value=names[0],
+                       bind=alt.binding_select(options=names, name="prompt:"))
+    tau = alt.param(name="temperature", value=1.0,
+                    bind=alt.binding_range(min=0.05, max=3, step=0.05, name="temperature τ:"))
+    top_k = alt.param(name="top_k", value=V,
+                      bind=alt.binding_range(min=1, max=V, step=1, name="top-k:"))
+    top_p = alt.param(name="top_p", value=1.0,
+                      bind=alt.binding_range(min=0.05, max=1, step=0.01, name="top-p ρ:"))
+    return [prompt, tau, top_k, top_p]
+
+
+def _reshaped_distribution() -> Any:
+    """The chosen prompt's rows with p_tau (tempered), kept (top-k, then top-p) and q."""
+    import altair as alt
+
+    by_logit: list[Any] = [alt.SortField("z", order="descending")]
+    return (alt.Chart(alt.NamedData(name="logits"))
+            .transform_filter("datum.prompt == prompt")
+            .transform_calculate(zt="datum.z / temperature")
+            .transform_joinaggregate(zmax="max(zt)")
+            .transform_calculate(e="exp(datum.zt - datum.zmax)")
+            .transform_joinaggregate(esum="sum(e)")
+            .transform_calculate(p_tau="datum.e / datum.esum")
+            .transform_window(rank="rank()", sort=by_logit)
+            .transform_calculate(ek="datum.rank <= top_k ? datum.e : 0")
+            .transform_joinaggregate(eksum="sum(ek)")
+            .transform_calculate(pk="datum.ek / datum.eksum")
+            .transform_window(cum="sum(pk)", sort=by_logit, frame=[None, 0])
+            .transform_calculate(kept="datum.ek > 0 && (top_p >= 1 || datum.cum - datum.pk"
+                                      " < top_p) ? 1 : 0")
+            .transform_calculate(qk="datum.kept ? datum.pk : 0")
+            .transform_joinaggregate(qsum="sum(qk)")
+            .transform_calculate(q="datum.qk / datum.qsum"))
+
+
+def _sampling_bars(base: Any, shown: int) -> Any:
+    """Grey bars of p_tau behind blue bars of q, for the ``shown`` most likely tokens."""
+    import altair as alt
+
+    x = alt.X("token:N", sort=alt.EncodingSortField("z", order="descending"),
+              title=f"the {shown} most likely next tokens", axis=alt.Axis(labelAngle=0))
+    drawn = base.transform_filter(f"datum.rank <= {shown}")
+    before = drawn.mark_bar(color="#d0d0d0", width={"band": 0.9}).encode(
+        x=x, y=alt.Y("p_tau:Q", title="probability", scale=alt.Scale(domain=[0, 1])))
+    after = drawn.mark_bar(color="#3b6fb6", width={"band": 0.5}).encode(
+        x=x, y="q:Q", tooltip=[alt.Tooltip("token:N"), alt.Tooltip("p_tau:Q", format=".3f",
+                                                                   title="p_tau"),
+                               alt.Tooltip("q:Q", format=".3f", title="sampled from")])
+    return alt.layer(before, after.properties(name="kept")).properties(width=620, height=220)
+
+
+def _sampling_summary(base: Any, V: int) -> Any:
+    """The line above the bars: tokens kept, the mass of p_tau they hold, the entropy."""
+    return (base.transform_calculate(h="datum.q > 0 ? -datum.q * log(datum.q) : 0",
+                                     mass="datum.kept ? datum.p_tau : 0")
+            .transform_aggregate(entropy="sum(h)", kept_mass="sum(mass)",
+                                 kept_tokens="sum(kept)")
+            .transform_calculate(text=f"'keeps ' + datum.kept_tokens + ' of {V} tokens, "
+                                      "holding ' + format(datum.kept_mass, '.3f') + ' of "
+                                      "p_tau; entropy ' + format(datum.entropy, '.3f') + "
+                                      "' nats'")
+            .mark_text(align="left", x=0, fontSize=13).encode(text="text:N")
+            .properties(name="summary", width=620, height=20))
+
+
 def sampling_explorer(logits: Any, prompts: Sequence[str], tokens: Sequence[str], *,
                       shown: int = 20) -> InteractiveChart:
     """The next-token distributions after ``prompts``, reshaped by sliders in the browser.
@@ -841,55 +910,11 @@ def sampling_explorer(logits: Any, prompts: Sequence[str], tokens: Sequence[str]
     rows = [{"prompt": name, "token": display_token(t), "z": v}
             for name, row in zip(names, _rounded(z, 4), strict=True)
             for t, v in zip(tokens, row, strict=True)]
-    V = len(tokens)
-    prompt = alt.param(name="prompt", value=names[0],
-                       bind=alt.binding_select(options=names, name="prompt:"))
-    tau = alt.param(name="temperature", value=1.0,
-                    bind=alt.binding_range(min=0.05, max=3, step=0.05, name="temperature τ:"))
-    top_k = alt.param(name="top_k", value=V,
-                      bind=alt.binding_range(min=1, max=V, step=1, name="top-k:"))
-    top_p = alt.param(name="top_p", value=1.0,
-                      bind=alt.binding_range(min=0.05, max=1, step=0.01, name="top-p ρ:"))
-    by_logit: list[Any] = [alt.SortField("z", order="descending")]
-    base = (alt.Chart(alt.NamedData(name="logits"))
-            .transform_filter("datum.prompt == prompt")
-            .transform_calculate(zt="datum.z / temperature")
-            .transform_joinaggregate(zmax="max(zt)")
-            .transform_calculate(e="exp(datum.zt - datum.zmax)")
-            .transform_joinaggregate(esum="sum(e)")
-            .transform_calculate(p_tau="datum.e / datum.esum")
-            .transform_window(rank="rank()", sort=by_logit)
-            .transform_calculate(ek="datum.rank <= top_k ? datum.e : 0")
-            .transform_joinaggregate(eksum="sum(ek)")
-            .transform_calculate(pk="datum.ek / datum.eksum")
-            .transform_window(cum="sum(pk)", sort=by_logit, frame=[None, 0])
-            .transform_calculate(kept="datum.ek > 0 && (top_p >= 1 || datum.cum - datum.pk"
-                                      " < top_p) ? 1 : 0")
-            .transform_calculate(qk="datum.kept ? datum.pk : 0")
-            .transform_joinaggregate(qsum="sum(qk)")
-            .transform_calculate(q="datum.qk / datum.qsum"))
-    x = alt.X("token:N", sort=alt.EncodingSortField("z", order="descending"),
-              title=f"the {shown} most likely next tokens", axis=alt.Axis(labelAngle=0))
-    drawn = base.transform_filter(f"datum.rank <= {shown}")
-    before = drawn.mark_bar(color="#d0d0d0", width={"band": 0.9}).encode(
-        x=x, y=alt.Y("p_tau:Q", title="probability", scale=alt.Scale(domain=[0, 1])))
-    after = drawn.mark_bar(color="#3b6fb6", width={"band": 0.5}).encode(
-        x=x, y="q:Q", tooltip=[alt.Tooltip("token:N"), alt.Tooltip("p_tau:Q", format=".3f",
-                                                                   title="p_tau"),
-                               alt.Tooltip("q:Q", format=".3f", title="sampled from")])
-    bars = alt.layer(before, after.properties(name="kept")).properties(width=620, height=220)
-    summary = (base.transform_calculate(h="datum.q > 0 ? -datum.q * log(datum.q) : 0",
-                                        mass="datum.kept ? datum.p_tau : 0")
-               .transform_aggregate(entropy="sum(h)", kept_mass="sum(mass)",
-                                    kept_tokens="sum(kept)")
-               .transform_calculate(text=f"'keeps ' + datum.kept_tokens + ' of {V} tokens, "
-                                         "holding ' + format(datum.kept_mass, '.3f') + ' of "
-                                         "p_tau; entropy ' + format(datum.entropy, '.3f') + "
-                                         "' nats'")
-               .mark_text(align="left", x=0, fontSize=13).encode(text="text:N")
-               .properties(name="summary", width=620, height=20))
-    chart = (alt.vconcat(summary, bars)
-             .add_params(prompt, tau, top_k, top_p)
+    sliders = _sampling_sliders(names, len(tokens))
+    base = _reshaped_distribution()
+    bars = _sampling_bars(base, shown)
+    chart = (alt.vconcat(_sampling_summary(base, len(tokens)), bars)
+             .add_params(*sliders)
              .properties(datasets={"logits": rows},
                          description="Next-token distribution with sampling sliders"))
     return interactive_chart(
@@ -963,6 +988,42 @@ def attention_explorer(maps: Sequence[Any], tokens: Sequence[str]) -> Interactiv
                     f"hovering a cell shows its query, key and weight.")
 
 
+def _rotation_layers(length: int, width: int, base: float) -> list[Any]:
+    """One panel's layers: the unit circle, P[p] and its spoke, P[p] rotated by omega_i k
+    with its spoke and angle, and the ring around P[p + k]."""
+    import altair as alt
+
+    axis: dict[str, Any] = {"scale": alt.Scale(domain=[-1.15, 1.15]), "axis": None,
+                            "title": None}
+    xy = {"x": alt.X("cos:Q", **axis), "y": alt.Y("sin:Q", **axis)}
+    rotated_xy = {"x": alt.X("rot_cos:Q", **axis), "y": alt.Y("rot_sin:Q", **axis)}
+    centre = {"x2": alt.datum(0), "y2": alt.datum(0)}
+    base_chart = alt.Chart().properties(width=150, height=150)
+    # The unit circle, drawn through one point per row of the pair.
+    circle = (base_chart.transform_calculate(t=f"2 * PI * datum.pos / {length - 1}")
+              .transform_calculate(cos="cos(datum.t)", sin="sin(datum.t)")
+              .mark_line(color="#bbbbbb", strokeWidth=1).encode(**xy, order="pos:Q"))
+    start = (base_chart.transform_filter("datum.pos == position")
+             .transform_calculate(phi=f"pow({base}, -2 * datum.pair / {width}) * offset")
+             .transform_calculate(
+                 rot_cos="datum.cos * cos(datum.phi) - datum.sin * sin(datum.phi)",
+                 rot_sin="datum.sin * cos(datum.phi) + datum.cos * sin(datum.phi)",
+                 degrees="(datum.phi * 180 / PI) % 360")
+             .transform_calculate(label="'ω k = ' + format(datum.degrees, '.0f') + '°'"))
+    origin = start.mark_rule(color="#888888").encode(**xy, **centre)
+    spoke = start.mark_rule(color="#e4572e").encode(**rotated_xy, **centre)
+    from_p = start.mark_point(filled=True, color="#555555", size=50).encode(**xy)
+    target = (base_chart.transform_filter("datum.pos == position + offset")
+              .mark_point(color="black", size=220, strokeWidth=1.5)
+              .encode(**xy).properties(name="target"))
+    rotated = (start.mark_point(filled=True, color="#e4572e", size=70)
+               .encode(**rotated_xy, tooltip=[alt.Tooltip("degrees:Q", format=".1f",
+                                                          title="angle ω k (degrees)")])
+               .properties(name="rotated"))
+    angle = start.mark_text(x=4, y=8, align="left", fontSize=11).encode(text="label:N")
+    return [circle, origin, spoke, from_p, target, rotated, angle]
+
+
 def rotation_explorer(encoding: Any, pairs: Sequence[int], *, base: float = 10000.0,
                       max_offset: int | None = None) -> InteractiveChart:
     """Sliders over the position p and the offset k: for each pair i of dimensions, the
@@ -996,39 +1057,10 @@ def rotation_explorer(encoding: Any, pairs: Sequence[int], *, base: float = 1000
     position = alt.param(name="position", value=min(20, length - 1 - k_max),
                          bind=alt.binding_range(min=0, max=length - 1 - k_max, step=1,
                                                 name="position p:"))
-    axis: dict[str, Any] = {"scale": alt.Scale(domain=[-1.15, 1.15]), "axis": None,
-                            "title": None}
-    xy = {"x": alt.X("cos:Q", **axis), "y": alt.Y("sin:Q", **axis)}
-    rotated_xy = {"x": alt.X("rot_cos:Q", **axis), "y": alt.Y("rot_sin:Q", **axis)}
-    centre = {"x2": alt.datum(0), "y2": alt.datum(0)}
-    base_chart = alt.Chart().properties(width=150, height=150)
-    # The unit circle, drawn through one point per row of the pair.
-    circle = (base_chart.transform_calculate(t=f"2 * PI * datum.pos / {length - 1}")
-              .transform_calculate(cos="cos(datum.t)", sin="sin(datum.t)")
-              .mark_line(color="#bbbbbb", strokeWidth=1).encode(**xy, order="pos:Q"))
-    start = (base_chart.transform_filter("datum.pos == position")
-             .transform_calculate(phi=f"pow({base}, -2 * datum.pair / {width}) * offset")
-             .transform_calculate(
-                 rot_cos="datum.cos * cos(datum.phi) - datum.sin * sin(datum.phi)",
-                 rot_sin="datum.sin * cos(datum.phi) + datum.cos * sin(datum.phi)",
-                 degrees="(datum.phi * 180 / PI) % 360")
-             .transform_calculate(label="'ω k = ' + format(datum.degrees, '.0f') + '°'"))
-    origin = start.mark_rule(color="#888888").encode(**xy, **centre)
-    spoke = start.mark_rule(color="#e4572e").encode(**rotated_xy, **centre)
-    from_p = start.mark_point(filled=True, color="#555555", size=50).encode(**xy)
-    target = (base_chart.transform_filter("datum.pos == position + offset")
-              .mark_point(color="black", size=220, strokeWidth=1.5)
-              .encode(**xy).properties(name="target"))
-    rotated = (start.mark_point(filled=True, color="#e4572e", size=70)
-               .encode(**rotated_xy, tooltip=[alt.Tooltip("degrees:Q", format=".1f",
-                                                          title="angle ω k (degrees)")])
-               .properties(name="rotated"))
-    angle = start.mark_text(x=4, y=8, align="left", fontSize=11).encode(text="label:N")
     header = alt.Header(title=None, labelFontSize=12, labelFontWeight="bold",
                         labelExpr=f"'pair ' + datum.value + ': ω = ' + "
                                   f"format(pow({base}, -2 * datum.value / {width}), '.3g')")
-    chart = (alt.layer(circle, origin, spoke, from_p, target, rotated, angle,
-                       data=alt.InlineData(values=rows))
+    chart = (alt.layer(*_rotation_layers(length, width, base), data=alt.InlineData(values=rows))
              .facet(facet=alt.Facet("pair:O", header=header), columns=3)
              .add_params(offset, position)
              .properties(description="Rotations of sinusoidal encoding pairs"))
@@ -1039,6 +1071,29 @@ def rotation_explorer(encoding: Any, pairs: Sequence[int], *, base: float = 1000
                     f"the pair of position p, the orange point the same pair rotated by the "
                     f"angle ω k (printed in degrees), the black ring the pair of position "
                     f"p + k. Sliders set p and k; the orange point always lands in the ring.")
+
+
+def _evaluation_lines(evals: list[dict[str, Any]], x: Any) -> Any:
+    """The train and validation evaluations, one coloured line each."""
+    import altair as alt
+
+    return (alt.Chart(alt.InlineData(values=evals))
+            .mark_line(point=True, strokeWidth=2)
+            .encode(x=x, y="eval_loss:Q",
+                    color=alt.Color("split:N", title="evaluation",
+                                    scale=alt.Scale(range=["#1b9e77", "#d95f02"])),
+                    tooltip=[alt.Tooltip("step:Q"), alt.Tooltip("split:N"),
+                             alt.Tooltip("eval_loss:Q", format=".3f", title="loss")]))
+
+
+def _step_readout(base: Any, hover: Any) -> Any:
+    """The line above the charts: the hovered step, its learning rate and batch loss."""
+    return (base.transform_filter(hover)
+            .transform_calculate(text="'step ' + datum.step + ': learning rate ' + "
+                                      "format(datum.lr, '.3e') + ', batch loss ' + "
+                                      "format(datum.loss, '.3f')")
+            .mark_text(align="left", x=0, y=10, fontSize=13).encode(text="text:N")
+            .properties(name="readout", height=20))
 
 
 def training_explorer(history: Mapping[str, Sequence[float]], *,
@@ -1077,20 +1132,8 @@ def training_explorer(history: Mapping[str, Sequence[float]], *,
     catcher = base.mark_point(opacity=0, size=30).encode(x=x, y="loss:Q", tooltip=tooltip)
     # Decorative (aria=False): empty until a step is hovered, it would be an unnamed graphic.
     rule = base.mark_rule(color="#e4572e", aria=False).encode(x=x).transform_filter(hover)
-    evaluations = (alt.Chart(alt.InlineData(values=evals))
-                   .mark_line(point=True, strokeWidth=2)
-                   .encode(x=x, y="eval_loss:Q",
-                           color=alt.Color("split:N", title="evaluation",
-                                           scale=alt.Scale(range=["#1b9e77", "#d95f02"])),
-                           tooltip=[alt.Tooltip("step:Q"), alt.Tooltip("split:N"),
-                                    alt.Tooltip("eval_loss:Q", format=".3f", title="loss")]))
-    readout = (base.transform_filter(hover)
-               .transform_calculate(text="'step ' + datum.step + ': learning rate ' + "
-                                         "format(datum.lr, '.3e') + ', batch loss ' + "
-                                         "format(datum.loss, '.3f')")
-               .mark_text(align="left", x=0, y=10, fontSize=13).encode(text="text:N")
-               .properties(name="readout", height=20))
-    chart = (alt.vconcat(readout,
+    evaluations = _evaluation_lines(evals, x)
+    chart = (alt.vconcat(_step_readout(base, hover),
                          alt.layer(lr, rule).properties(height=120),
                          alt.layer(loss, evaluations, rule,
                                    catcher.add_params(hover).properties(name="steps"))
