@@ -124,6 +124,28 @@ def test_gpt2_initialisation_statistics():
     assert torch.equal(model.ln_f.weight, torch.ones(256))
 
 
+def test_embeddings_are_initialised_by_their_own_rule(monkeypatch):
+    """GPT's initialisation re-draws each embedding with the module's reset_parameters (one
+    copy of the N(0, 0.02) rule): the weights equal that rule's draw from the generator
+    state the model's last call started from."""
+    from minigpt.nn import LearnedPositionalEmbedding, TokenEmbedding
+
+    calls = []
+    for cls in (TokenEmbedding, LearnedPositionalEmbedding):
+        def recorded(self, _reset=cls.reset_parameters):
+            calls.append((self, torch.get_rng_state()))
+            _reset(self)
+        monkeypatch.setattr(cls, "reset_parameters", recorded)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.debug(tie_weights=False))
+    for module in (model.wte, model.wpe):
+        states = [state for m, state in calls if m is module]
+        assert len(states) == 2  # the constructor's draw, then the model's
+        torch.set_rng_state(states[-1])
+        expected = torch.empty_like(module.weight).normal_(mean=0.0, std=0.02)
+        assert torch.equal(module.weight.detach(), expected)
+
+
 def test_untrained_loss_is_near_log_v():
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=65, context_length=32, d_model=64, n_heads=4, n_layers=2)

@@ -29,6 +29,18 @@ def test_embedding_equals_one_hot_matmul_exactly():
     assert torch.equal(lookup, one_hot_embedding(ids, embedding.weight))
 
 
+@pytest.mark.parametrize("cls", [TokenEmbedding, LearnedPositionalEmbedding])
+def test_embedding_rule_is_gpt2s_normal_and_reset_redraws_it(cls):
+    torch.manual_seed(0)
+    embedding = cls(300, 64)
+    torch.manual_seed(0)
+    assert torch.equal(embedding.weight.detach(), torch.empty(300, 64).normal_(0.0, 0.02))
+    assert embedding.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    before = embedding.weight.detach().clone()
+    embedding.reset_parameters()
+    assert not torch.equal(embedding.weight.detach(), before)
+
+
 def test_sinusoidal_worked_example_d4():
     encoding = sinusoidal_encoding(3, 4)
     # Position 0 is [sin 0, cos 0, sin 0, cos 0].

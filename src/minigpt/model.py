@@ -72,12 +72,14 @@ class GPT(nn.Module):
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
         # GPT-2 initialisation: weights ~ N(0, 0.02), biases 0, layer norms at identity.
+        # Run over every module once the model is built, as GPT-2's is: the embeddings
+        # draw their rule (reset_parameters) a second time, as nn.Linear's weights do.
         if isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
         elif isinstance(module, TokenEmbedding | LearnedPositionalEmbedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            module.reset_parameters()
         elif isinstance(module, LayerNorm | RMSNorm):
             if module.weight is not None:
                 nn.init.ones_(module.weight)

@@ -32,6 +32,11 @@ class TokenEmbedding(nn.Module):
     def __init__(self, vocab_size: int, d_model: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, d_model))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Draw W_e from N(0, 0.02^2), GPT-2's rule (`GPT` draws it again once the
+        model is built: GPT-2's initialisation runs over every module, nn.Linear's)."""
         nn.init.normal_(self.weight, mean=0.0, std=0.02)
 
     def forward(self, ids: Tensor) -> Tensor:
@@ -104,6 +109,10 @@ class LearnedPositionalEmbedding(nn.Module):
     def __init__(self, context_length: int, d_model: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(context_length, d_model))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Draw the table from N(0, 0.02^2), GPT-2's rule (`GPT` draws it again)."""
         nn.init.normal_(self.weight, mean=0.0, std=0.02)
 
     def forward(self, positions: Tensor) -> Tensor:
