@@ -86,12 +86,6 @@ def test_debug_and_cpu_presets():
     assert GPTConfig.debug(n_layers=1).n_layers == 1
 
 
-@pytest.mark.parametrize("seed", [-1, 1.5, True, "3"])
-def test_seed_all_rejects_bad_seeds(seed):
-    with pytest.raises(ValueError, match="seed must be a non-negative integer"):
-        seed_all(seed)
-
-
 def test_seed_all_repeats_draws():
     seed_all(7)
     first = torch.rand(3)

@@ -69,15 +69,12 @@ def test_attention_fed_in_chunks_equals_attention_over_the_whole(use_fused: bool
         assert torch.allclose(weights, whole_weights[:, :, 5:], atol=1e-6)
 
 
-def test_layer_cache_refuses_overflow_and_a_new_batch_size() -> None:
+def test_layer_cache_appends_and_refuses_empty_sizes() -> None:
+    # Overflow and a new batch size are refused where the ids enter (GPT.forward): below.
     cache = LayerKVCache(4)
     k = torch.zeros(2, 1, 3, 8)
     keys, values = cache.append(k, k)
     assert keys.shape == (2, 1, 3, 8) and cache.length == 3
-    with pytest.raises(ValueError, match="holds 3 positions; 2 more would exceed its max_length=4"):
-        cache.append(torch.zeros(2, 1, 2, 8), torch.zeros(2, 1, 2, 8))
-    with pytest.raises(ValueError, match="holds a batch of 2 sequences, got 1"):
-        cache.append(torch.zeros(1, 1, 1, 8), torch.zeros(1, 1, 1, 8))
     with pytest.raises(ValueError, match="max_length must be >= 1"):
         LayerKVCache(0)
     with pytest.raises(ValueError, match="n_layers must be >= 1"):
@@ -162,6 +159,6 @@ def test_crop_forgets_the_last_positions(model: GPT) -> None:
         direct = model(torch.tensor([[1, 2, 3, 9]]))[0, -1]
     assert cache.length == 4
     assert torch.allclose(cropped, direct, atol=1e-5)
-    for bad in (5, -1, 1.0):
-        with pytest.raises(ValueError, match=r"crop length must be an int in \[0, 4\]"):
-            cache.crop(bad)  # type: ignore[arg-type]
+    for bad in (5, -1):
+        with pytest.raises(ValueError, match=r"crop length must lie in \[0, 4\]"):
+            cache.crop(bad)

@@ -177,8 +177,6 @@ def seed_all(seed: int, *, deterministic: bool = False) -> None:
     deterministic implementation (on a GPU some kernels are slower this way;
     on the CPU the cost is usually nil).
     """
-    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
     random.seed(seed)
     np.random.seed(seed % 2**32)  # noqa: NPY002 - the legacy global generator is what users call
     torch.manual_seed(seed)

@@ -240,9 +240,6 @@ def get_batch(data: np.ndarray, batch_size: int, context_length: int, *,
     exclusive, and the largest start i must leave T + 1 tokens (T inputs and the one extra
     target), i.e. i + T <= N - 1, so the bound is N - T.
     """
-    for name, value in (("batch_size", batch_size), ("context_length", context_length)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     n = len(data)
     if n <= context_length:
         raise ValueError(f"data has {n} tokens but context_length is {context_length}; a batch "
