@@ -10,8 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from minigpt import GPTConfig
+from minigpt import GPT, GPTConfig
 from minigpt.checkpoint import load_checkpoint, save_checkpoint
 from minigpt.cli import main
 from minigpt.decoding import beam_search
@@ -188,6 +189,35 @@ def test_load_model(trained: Path) -> None:
     assert step == 6 and not model.training and tokenizer.decode(tokenizer.encode("ROMEO")) == (
         "ROMEO")
     assert model.config.context_length == 8
+
+
+def test_a_device_that_fails_is_not_blamed_on_the_checkpoint(
+        trained: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # The file is read onto the CPU; only the move to the device fails (a GPU that is
+    # missing or out of memory), and the error says so rather than "damaged".
+    loads: list[object] = []
+    real_load = torch.load
+
+    def load(*args: object, **kwargs: object) -> object:
+        loads.append(kwargs.get("map_location"))
+        return real_load(*args, **kwargs)  # type: ignore[arg-type]
+
+    def to(self: GPT, *args: object, **kwargs: object) -> GPT:
+        raise RuntimeError("CUDA error: invalid device ordinal\nmore detail")
+
+    monkeypatch.setattr(torch, "load", load)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(GPT, "to", to)
+    with pytest.raises(ValueError, match="cannot put the model on cuda:3: CUDA error: invalid "
+                                         "device ordinal$") as caught:
+        load_model(trained, device="cuda:3")
+    assert isinstance(caught.value.__cause__, RuntimeError) and loads == ["cpu"]
+    _fails(["sample", "--checkpoint", str(trained), "--device", "cuda:3"], capsys, 1,
+           "cannot put the model on cuda:3: CUDA error: invalid device ordinal")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="cuda: CUDA is not available on this machine"):
+        load_model(trained, device="cuda")
 
 
 # ----- errors: clear message, no traceback, non-zero exit ------------------------------

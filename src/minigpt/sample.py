@@ -39,9 +39,12 @@ def load_model(checkpoint: Path | str, *, device: str | torch.device = "cpu") ->
     (a directory holding ``checkpoint.pt``, or the file itself).
 
     Raises FileNotFoundError when there is no checkpoint and ValueError when the file is
-    not a readable minigpt checkpoint or was saved without a tokenizer.
+    not a readable minigpt checkpoint, was saved without a tokenizer, or the model cannot
+    be put on ``device``.
     """
-    ckpt = load_checkpoint(checkpoint, map_location=device)
+    # Read onto the CPU, so that only reading errors are blamed on the file: a missing GPU
+    # or one out of memory fails in the move below and is reported as what it is.
+    ckpt = load_checkpoint(checkpoint)
     if ckpt["tokenizer"] is None:
         raise ValueError(f"the checkpoint in {checkpoint} has no tokenizer; it was trained "
                          "without one (train(..., tokenizer=...)), so its ids cannot be decoded")
@@ -51,7 +54,18 @@ def load_model(checkpoint: Path | str, *, device: str | torch.device = "cpu") ->
         tokenizer = tokenizer_from_dict(ckpt["tokenizer"])
     except (RuntimeError, KeyError, TypeError, ValueError) as err:  # incl. pydantic's
         raise ValueError(f"the checkpoint in {checkpoint} is inconsistent: {err}") from None
-    return LoadedModel(model.to(device).eval(), tokenizer, int(ckpt["step"]))
+    return LoadedModel(_to_device(model, device).eval(), tokenizer, int(ckpt["step"]))
+
+
+def _to_device(model: GPT, device: str | torch.device) -> GPT:
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"cannot put the model on {device!s}: CUDA is not available on "
+                         "this machine")
+    try:
+        return model.to(device)
+    except RuntimeError as err:  # e.g. cuda:3 on a machine with one GPU, or out of memory
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ValueError(f"cannot put the model on {device!s}: {reason}") from err
 
 
 class SampleSettings(BaseModel):
