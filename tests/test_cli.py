@@ -381,6 +381,20 @@ def test_a_default_that_follows_from_other_flags_is_not_shown_as_a_number(
     assert "--d-model D_MODEL" in text and "(default: 128)" in text  # others keep theirs
 
 
+def test_a_bad_world_size_is_a_one_line_error(tmp_path: Path, text_file: Path,
+                                              monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    _fails(["train", "--text", str(text_file), "--out", str(tmp_path), *TINY], capsys, 1,
+           "minigpt train: error: environment variable WORLD_SIZE='two' is not an integer")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    _fails(["train", "--text", str(text_file), "--out", str(tmp_path), *TINY, "--lr", "-1"],
+           capsys, 2, "minigpt train: error (rank 1):")
+
+
 def test_usage_errors_of_the_command_itself(capsys: pytest.CaptureFixture[str]) -> None:
     _fails([], capsys, 2, "the following arguments are required: COMMAND")
     _fails(["tran"], capsys, 2, "invalid choice: 'tran'", "'train'")

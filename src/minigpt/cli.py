@@ -49,7 +49,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as exit_:  # argparse has printed the usage and the error (or --help)
         return exit_.code if isinstance(exit_.code, int) else 2
-    rank = os.environ.get("RANK") if int(os.environ.get("WORLD_SIZE", 1)) > 1 else None
+    world = os.environ.get("WORLD_SIZE", "1")  # a bad value is the command's error to report
+    rank = os.environ.get("RANK") if world.isdecimal() and int(world) > 1 else None
     error = f"minigpt {argv[0]}: error{f' (rank {rank})' if rank else ''}:"
     try:
         return int(args.handler(args, argv[1:]))  # its own flags, for torchrun
@@ -195,8 +196,7 @@ def _train_config(run: RunFlags, given: dict[str, Any]) -> TrainConfig:
 
 
 def _launch(run: RunFlags, given: dict[str, Any], argv: Sequence[str]) -> int:
-    """Start --nproc-per-node copies of this command with torch.distributed.run, once the
-    settings that cannot work are refused."""
+    """Start --nproc-per-node copies of this command with torchrun, after refusing bad settings."""
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args
