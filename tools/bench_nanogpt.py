@@ -56,6 +56,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from minigpt.train import METRICS_NAME
+
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64, "batch_size": 12}
 
@@ -92,7 +94,7 @@ def minigpt(text: Path, steps: int, seed: int, out: Path,
            "--eval-steps", "20", "--seed", str(seed), "--out", str(out), "--no-progress",
            *extra]
     subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True, env=_env({}))
-    metrics = json.loads((out / "metrics.json").read_text())
+    metrics = json.loads((out / METRICS_NAME).read_text())
     return float(metrics["median_step_ms"]), metrics
 
 
