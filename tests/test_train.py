@@ -14,10 +14,11 @@ import torch
 from minigpt import GPT, GPTConfig
 from minigpt.checkpoint import load_checkpoint
 from minigpt.parallel import DistContext
-from minigpt.tokenizer import CharTokenizer
+from minigpt.tokenizer import CharTokenizer, train_bpe
 from minigpt.train import (
     History,
     TrainConfig,
+    bits_per_character,
     configure_optimizer,
     estimate_loss,
     full_loss,
@@ -237,6 +238,29 @@ def test_full_loss_scores_every_window_once(data: tuple[np.ndarray, np.ndarray])
     assert model.training
     with pytest.raises(ValueError, match="full_loss needs more than T=8"):
         full_loss(model, val[:8])
+
+
+def test_bits_per_character_of_characters_is_the_loss_in_bits(
+        data: tuple[np.ndarray, np.ndarray]) -> None:
+    tokenizer = CharTokenizer("abcdefghijkl")  # V = 12: one character a token
+    model = GPT(tiny_config())
+    val = data[1][:83]
+    assert bits_per_character(model, val, tokenizer) == pytest.approx(
+        full_loss(model, val) / math.log(2), rel=1e-9)
+
+
+def test_bits_per_character_counts_the_characters_of_the_predicted_tokens() -> None:
+    text = "the cat sat on the mat; the rat sat on the hat. " * 20
+    bpe = train_bpe(text, 256 + 12)
+    ids = np.asarray(bpe.encode_ordinary(text[:300]), dtype=np.uint16)
+    model = GPT(tiny_config(vocab_size=bpe.vocab_size))
+    with torch.no_grad():
+        model.lm_head.weight.zero_()  # tied head: every logit 0, uniform over V
+    n = (len(ids) - 1) // 8 * 8
+    chars = sum(len(bpe.token_bytes(int(i))) for i in ids[1:n + 1])  # ASCII: byte = char
+    assert chars > n  # tokens of several characters: bits per token would be misleading
+    expected = n * math.log2(bpe.vocab_size) / chars
+    assert bits_per_character(model, ids, bpe) == pytest.approx(expected, rel=1e-6)
 
 
 def test_train_accepts_a_model(data: tuple[np.ndarray, np.ndarray]) -> None:

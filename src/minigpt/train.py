@@ -446,6 +446,24 @@ def full_loss(model: GPT, data: np.ndarray, *, batch_size: int = 32,
     return float(total.item()) / (n_windows * T)
 
 
+def bits_per_character(model: GPT, ids: np.ndarray, tokenizer: Tokenizer, *,
+                       batch_size: int = 32) -> float:
+    """The model's loss over the text that ``ids`` encodes, in bits per character.
+
+    Per-token losses of two tokenizers are not comparable (a BPE token carries several
+    characters); the total information over the same text is. The tokens are scored as in
+    `full_loss` (consecutive windows; the first token and a last partial window are not
+    predicted), the summed loss in nats is converted to bits (divided by ln 2) and divided
+    by the number of characters the predicted tokens decode to.
+    """
+    T = model.config.context_length
+    n_scored = (len(ids) - 1) // T * T
+    nats = full_loss(model, ids, batch_size=batch_size) * n_scored
+    ids = np.asarray(ids[:n_scored + 1])
+    chars = len(tokenizer.decode(ids.tolist())) - len(tokenizer.decode(ids[:1].tolist()))
+    return nats / chars / math.log(2)
+
+
 @dataclass
 class History:
     """What a run measured. ``step[i]`` has ``loss[i]`` (its batch's loss, averaged over
