@@ -127,3 +127,16 @@ def test_exact_match_counts_only_exact_answers(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr("minigpt.tasks.greedy_replies",
                         lambda *args, **kwargs: ["ba", "dc ", "AB"])
     assert exact_match(model, chat, tasks) == {"reverse": 0.5, "upper": 1.0}
+
+
+def test_few_shot_scoring_uses_distinct_shots(monkeypatch: pytest.MonkeyPatch) -> None:
+    tok = CharTokenizer.from_text("abcdefghijklmnopqrstuvwxyzABC :\n")
+    model = GPT(GPTConfig.debug(vocab_size=tok.vocab_size, context_length=64))
+    seen: list[str] = []
+    monkeypatch.setattr("minigpt.tasks.greedy_replies", lambda m, t, prompts, **kw: [
+        seen.append(t.decode(p)) or "ba" for p in prompts])
+    shots = [Task("reverse", "reverse: ab", "ba", "ab")] * 3 + [
+        Task("reverse", "reverse: cd", "dc", "cd")]
+    task = Task("reverse", "reverse: xy", "yx", "xy")
+    assert exact_match(model, tok, [task], shots=shots) == {"reverse": 0.0}
+    assert seen == ["reverse: cd\ndc\n\nreverse: ab\nba\n\nreverse: xy\n"]

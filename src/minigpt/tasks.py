@@ -192,16 +192,19 @@ def exact_match(model: GPT, tokenizer: Tokenizer, tasks: Sequence[Task], *,
 
     Without ``shots``: in the chat format (the model needs the chat tokens). With
     ``shots``: a base model, prompted in plain text with solved tasks of the same family
-    from ``shots`` (`few_shot_prompt`), its answer read up to the first newline.
+    from ``shots``, distinct questions in their order (`few_shot_prompt`), its answer read
+    up to the first newline.
     """
     T = model.config.context_length
     if shots is None:
         prompts = [prompt_ids(t.conversation()[:1], tokenizer) for t in tasks]
         answers = greedy_replies(model, tokenizer, prompts, max_new_tokens=max_new_tokens)
     else:
-        by_family = {f: [s for s in shots if s.family == f] for f in {t.family for t in tasks}}
-        prompts = [few_shot_prompt(t, by_family[t.family], tokenizer, T - max_new_tokens)
-                   for t in tasks]
+        by_family: dict[str, dict[str, Task]] = {}  # distinct questions, first kept
+        for shot in shots:
+            by_family.setdefault(shot.family, {}).setdefault(shot.question, shot)
+        prompts = [few_shot_prompt(t, list(by_family.get(t.family, {}).values()), tokenizer,
+                                   T - max_new_tokens) for t in tasks]
         answers = greedy_replies(model, tokenizer, prompts, max_new_tokens=max_new_tokens,
                                  stop=tokenizer.encode_ordinary("\n")[0])
     scores: dict[str, list[bool]] = {}
