@@ -10,6 +10,7 @@ import torch
 
 from minigpt.assets import MissingAssetError
 from minigpt.data import (
+    ExampleSet,
     get_batch,
     list_plays,
     load_ids,
@@ -309,3 +310,28 @@ def test_get_batch_on_a_gpu_equals_the_cpu_batch() -> None:
     gpu = get_batch(data, 4, 16, generator=torch.Generator().manual_seed(3), device="cuda")
     assert all(t.is_cuda for t in gpu)
     assert all(torch.equal(a, b.cpu()) for a, b in zip(cpu, gpu, strict=True))
+
+
+# ----- examples with a loss mask -------------------------------------------------------
+
+def test_example_batches_are_padded_and_masked() -> None:
+    data = ExampleSet([[1, 2, 3], [4, 5, 6, 7, 8]], [[0, 0, 1], [0, 1, 1, 0, 1]], pad_id=9)
+    x, y, mask = data.batch([0, 1])
+    assert x.tolist() == [[1, 2, 3, 9], [4, 5, 6, 7]]
+    assert y.tolist() == [[2, 3, 9, 9], [5, 6, 7, 8]]
+    assert mask.tolist() == [[False, True, False, False], [True, True, False, True]]
+    assert len(data) == 2 and data.max_length == 5
+
+
+@pytest.mark.parametrize("seqs, masks, message", [
+    ([], [], "at least one sequence"),
+    ([[1]], [[True]], "sequence 0 has 1 ids and 1 mask entries; it needs at least 2 ids"),
+    ([[1, 2]], [[True]], "sequence 0 has 2 ids and 1 mask entries"),
+    ([[1, 2]], [[True, False]], "sequence 0 has no counted target"),
+])
+def test_example_set_errors(seqs: list[list[int]], masks: list[list[bool]],
+                            message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ExampleSet(seqs, masks)
+    with pytest.raises(ValueError, match="pad_id must be a token id"):
+        ExampleSet([[1, 2]], [[False, True]], pad_id=-1)

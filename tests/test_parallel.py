@@ -22,6 +22,7 @@ import torch
 
 from minigpt import GPT, GPTConfig
 from minigpt.cli import main
+from minigpt.data import ExampleSet
 from minigpt.parallel import (
     DistContext,
     DistributedError,
@@ -361,3 +362,13 @@ def test_accumulation_all_reduces_once_per_step_also_under_compile(tmp_path: Pat
     assert once >= 1
     assert counts == {f"{mode} k={k}": once for mode in ("eager", "compiled")
                       for k in (1, 2, 4)}, counts
+
+
+def test_example_batches_partition_over_ranks() -> None:
+    data = ExampleSet([[k] * (2 + k % 5) for k in range(10)],
+                      [[False] + [True] * (1 + k % 5) for k in range(10)])
+    whole = rank_batch(data, 6, 12, DistContext(), generator=torch.Generator().manual_seed(3))
+    parts = [rank_batch(data, 2, 12, DistContext(rank=r, world_size=3),
+                        generator=torch.Generator().manual_seed(3)) for r in range(3)]
+    for k in range(3):
+        assert torch.equal(torch.cat([p[k] for p in parts]), whole[k])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 import regex
@@ -14,8 +15,12 @@ from hypothesis import strategies as st
 from minigpt.assets import MissingAssetError
 from minigpt.data import shakespeare_text
 from minigpt.tokenizer import (
+    ASSISTANT,
+    CHAT_TOKENS,
+    END_OF_TURN,
     ENDOFTEXT,
     GPT2_PAT_STR,
+    USER,
     BPETokenizer,
     CharTokenizer,
     GPT2Tokenizer,
@@ -24,6 +29,7 @@ from minigpt.tokenizer import (
     gpt2_encoding,
     tokenizer_from_dict,
     train_bpe,
+    with_special_tokens,
 )
 
 
@@ -356,3 +362,41 @@ def test_load_ranks_errors(tmp_path: Path) -> None:
     bad.write_bytes(base64.b64encode(b"ab") + b" 0\nnot-base64! 1\n")
     with pytest.raises(ValueError, match="bad.tiktoken, line 2: not 'base64-token rank'"):
         load_ranks(bad, hashlib.sha256(bad.read_bytes()).hexdigest())
+
+
+# ------------------------------------------------------------------ chat's special tokens
+
+@pytest.mark.parametrize("make", [lambda text: CharTokenizer.from_text(text),
+                                  lambda text: train_bpe(text, 300)])
+def test_chat_tokens_leave_every_old_id_alone(make: Any, macbeth: str) -> None:
+    old = make(macbeth)
+    new = with_special_tokens(old)
+    V = old.vocab_size
+    assert new.vocab_size == V + 3
+    assert [new.special_tokens[t] for t in CHAT_TOKENS] == [V, V + 1, V + 2]
+    assert {t: new.special_tokens[t] for t in old.special_tokens} == old.special_tokens
+    assert new.decode(range(V - len(old.special_tokens))) == old.decode(
+        range(V - len(old.special_tokens)))
+    sample = macbeth[:5000]
+    assert new.encode(sample) == old.encode(sample)
+    assert new.encode_ordinary(sample) == old.encode_ordinary(sample)
+    text = f"{USER}Who?{END_OF_TURN}{ASSISTANT}Macbeth{END_OF_TURN}"
+    ids = new.encode(text, allowed_special="all")
+    assert ids[0] == V and ids[-1] == V + 2 and new.decode(ids) == text
+    assert tokenizer_from_dict(new.to_dict()).encode(text, allowed_special="all") == ids
+
+
+@given(st.text(alphabet="\n !',-.:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"))
+def test_chat_tokens_keep_every_char_encoding(text: str) -> None:
+    old = CharTokenizer.from_text("\n !',-.:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
+    assert with_special_tokens(old).encode(text) == old.encode(text)
+
+
+def test_adding_special_tokens_errors() -> None:
+    tok = with_special_tokens(CharTokenizer.from_text("abc"))
+    with pytest.raises(ValueError, match=r"\['<\|user\|>'\] are special tokens of char already"):
+        with_special_tokens(tok, [USER])
+    with pytest.raises(ValueError, match="must be distinct"):
+        with_special_tokens(CharTokenizer.from_text("abc"), ["<a>", "<a>"])
+    with pytest.raises(TypeError, match="CharTokenizer or a BPETokenizer, not to a GPT2Tokenizer"):
+        with_special_tokens(GPT2Tokenizer.__new__(GPT2Tokenizer))

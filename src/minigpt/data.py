@@ -4,6 +4,8 @@
   `minigpt.assets`) in Tiny Shakespeare's plain-text shape, built offline.
 * `split_text`, `write_ids`, `load_ids`, `prepare_dataset`, `get_batch`: the seed's pipeline
   of a 90/10 split, `uint16` id files read back through `numpy.memmap`, and random batches.
+* `ExampleSet`: separate sequences (e.g. conversations) with a mask of the targets that
+  count, batched with padding: what supervised fine-tuning reads.
 """
 
 from __future__ import annotations
@@ -255,3 +257,71 @@ def get_batch(data: np.ndarray, batch_size: int, context_length: int, *,
         x, y = x.pin_memory(), y.pin_memory()
         return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
     return x.to(device), y.to(device)
+
+
+# ------------------------------------------------------------- examples with a loss mask
+
+class ExampleSet:
+    """Token sequences, each with a mask of the targets that count (e.g. an assistant's
+    answers): what supervised fine-tuning reads instead of one long stream of ids.
+
+    Sequence k gives the inputs ``ids[:-1]`` and the targets ``ids[1:]``; target t counts
+    where ``mask[t + 1]`` is True (the mask is over ``ids``, so a masked token is one the
+    model is trained to *predict*). Every sequence needs at least two tokens and at least
+    one counted target.
+    """
+
+    def __init__(self, sequences: Sequence[Sequence[int]], masks: Sequence[Sequence[bool]],
+                 *, pad_id: int = 0) -> None:
+        if len(sequences) != len(masks) or not sequences:
+            raise ValueError(f"need one mask per sequence and at least one sequence, got "
+                             f"{len(sequences)} sequences and {len(masks)} masks")
+        for k, (ids, mask) in enumerate(zip(sequences, masks, strict=True)):
+            if len(ids) != len(mask) or len(ids) < 2:
+                raise ValueError(f"sequence {k} has {len(ids)} ids and {len(mask)} mask "
+                                 "entries; it needs at least 2 ids and one entry per id")
+            if not any(mask[1:]):
+                raise ValueError(f"sequence {k} has no counted target: its mask is False "
+                                 "everywhere after the first token")
+        if isinstance(pad_id, bool) or not isinstance(pad_id, int) or pad_id < 0:
+            raise ValueError(f"pad_id must be a token id (an int >= 0), got {pad_id!r}")
+        self.sequences = [torch.tensor(list(s), dtype=torch.long) for s in sequences]
+        self.masks = [torch.tensor(list(m), dtype=torch.bool) for m in masks]
+        self.pad_id = pad_id
+        self._max_length = max(len(s) for s in self.sequences)
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    @property
+    def max_length(self) -> int:
+        """The longest sequence's number of ids."""
+        return self._max_length
+
+    def check_context_length(self, context_length: int) -> None:
+        """Refuse sequences a model with this context cannot read in one pass."""
+        if self.max_length > context_length + 1:
+            k = next(k for k, s in enumerate(self.sequences) if len(s) > context_length + 1)
+            raise ValueError(f"sequence {k} has {len(self.sequences[k])} ids; a model with a "
+                             f"context of T={context_length} reads at most T + 1 = "
+                             f"{context_length + 1} (T inputs and the last target)")
+
+    def batch(self, rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The sequences ``rows``, padded on the right to the longest one (L ids):
+        x (B, L - 1) inputs, y (B, L - 1) targets, mask (B, L - 1) bool, False on padding."""
+        length = max(len(self.sequences[k]) for k in rows)
+        ids = torch.full((len(rows), length), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), length), dtype=torch.bool)
+        for r, k in enumerate(rows):
+            n = len(self.sequences[k])
+            ids[r, :n], mask[r, :n] = self.sequences[k], self.masks[k]
+        return ids[:, :-1], ids[:, 1:], mask[:, 1:]
+
+    def get_batch(self, batch_size: int, context_length: int, *,
+                  generator: torch.Generator | None = None, device: str | torch.device = "cpu",
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """B sequences drawn uniformly with replacement, as `batch` pads them, on ``device``."""
+        self.check_context_length(context_length)
+        rows = torch.randint(0, len(self), (batch_size,), generator=generator).tolist()
+        x, y, mask = self.batch(rows)
+        return x.to(device), y.to(device), mask.to(device)

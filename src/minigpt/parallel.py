@@ -18,6 +18,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -26,7 +27,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from minigpt.data import get_batch
+from minigpt.data import ExampleSet, get_batch
 
 ENV_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
 
@@ -140,23 +141,22 @@ def wrap_model(model: nn.Module, ctx: DistContext) -> nn.Module:
 
 
 def rank_batch(
-    data: np.ndarray, batch_size: int, context_length: int, ctx: DistContext,
+    data: np.ndarray | ExampleSet, batch_size: int, context_length: int, ctx: DistContext,
     *, generator: torch.Generator,
-) -> tuple[Tensor, Tensor]:
-    """Rank ``ctx.rank``'s share of one global batch: (B, T) inputs, targets.
+) -> tuple[Tensor, ...]:
+    """Rank ``ctx.rank``'s share of one global batch: (B, T) inputs, targets, and for an
+    `ExampleSet` the (B, L) inputs, targets and mask of its padded sequences.
 
-    Every rank draws the same B * world_size windows from the same seeded
-    generator and keeps rows r B .. (r + 1) B - 1, so the ranks read
-    different windows and together exactly the batch that one process with
-    batch size B * world_size would read.
+    Every rank draws the same B * world_size windows (or sequences) from the same seeded
+    generator and keeps rows r B .. (r + 1) B - 1, so the ranks read different rows and
+    together exactly the batch that one process with batch size B * world_size would read.
     """
+    draw = data.get_batch if isinstance(data, ExampleSet) else partial(get_batch, data)
     if not ctx.distributed:
-        return get_batch(data, batch_size, context_length, generator=generator,
-                         device=ctx.device)
-    x, y = get_batch(data, batch_size * ctx.world_size, context_length,
-                     generator=generator)
+        return tuple(draw(batch_size, context_length, generator=generator, device=ctx.device))
+    batch = draw(batch_size * ctx.world_size, context_length, generator=generator)
     rows = slice(ctx.rank * batch_size, (ctx.rank + 1) * batch_size)
-    return x[rows].to(ctx.device), y[rows].to(ctx.device)
+    return tuple(t[rows].to(ctx.device) for t in batch)
 
 
 def mean_over_ranks(value: Tensor, ctx: DistContext) -> Tensor:

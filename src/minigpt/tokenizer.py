@@ -34,6 +34,11 @@ from tiktoken_ext.openai_public import r50k_pat_str
 from minigpt.assets import GPT2_TIKTOKEN_SHA256, ChecksumError, gpt2_ranks_path
 
 ENDOFTEXT = "<|endoftext|>"
+#: The chat format's special tokens (`minigpt.chat`): who speaks a turn, and where it ends.
+USER = "<|user|>"
+ASSISTANT = "<|assistant|>"
+END_OF_TURN = "<|end|>"
+CHAT_TOKENS = (USER, ASSISTANT, END_OF_TURN)
 GPT2_PAT_STR: str = r50k_pat_str
 """GPT-2's pre-tokenisation regex (tiktoken's `r50k_base` pattern): splits text into chunks
 (contractions, letter runs, digit runs, punctuation runs, whitespace) that BPE never merges
@@ -457,6 +462,30 @@ class GPT2Tokenizer:
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": "gpt2"}
+
+
+# ------------------------------------------------------------------- adding special tokens
+
+def with_special_tokens(tokenizer: Tokenizer,
+                        names: Sequence[str] = CHAT_TOKENS) -> CharTokenizer | BPETokenizer:
+    """A copy of ``tokenizer`` with the special tokens ``names`` appended: they take ids
+    V, V + 1, ... (V the old vocabulary size), so every old id keeps its meaning and every
+    text encodes to the same ids as before; only the new strings become single tokens.
+
+    The character and BPE tokenizers take new tokens; GPT-2's encoding is fixed.
+    """
+    if not isinstance(tokenizer, CharTokenizer | BPETokenizer):
+        raise TypeError(f"special tokens can be added to a CharTokenizer or a BPETokenizer, "
+                        f"not to a {type(tokenizer).__name__}")
+    new = _check_special_names(names)
+    old = sorted(tokenizer.special_tokens, key=tokenizer.special_tokens.__getitem__)
+    taken = sorted(set(new) & set(old))
+    if taken:
+        raise ValueError(f"{taken} are special tokens of {tokenizer.name} already; its special "
+                         f"tokens are {old}")
+    if isinstance(tokenizer, CharTokenizer):
+        return CharTokenizer(tokenizer.chars, old + new)
+    return BPETokenizer(tokenizer.merges, old + new, pat_str=tokenizer.pat_str)
 
 
 # ------------------------------------------------------------------------ building them

@@ -38,6 +38,7 @@ from tqdm import tqdm  # plain text bar: works in a terminal and a notebook alik
 from minigpt.assets import atomic_write
 from minigpt.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
 from minigpt.config import GPTConfig
+from minigpt.data import ExampleSet
 from minigpt.decoding import eval_mode
 from minigpt.model import GPT
 from minigpt.parallel import (
@@ -379,19 +380,50 @@ def _autocast(device: torch.device, bf16: bool) -> Any:
     return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
 
 
-def lm_loss(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+def lm_loss(model: nn.Module, x: Tensor, y: Tensor, mask: Tensor | None = None, *,
+            reduction: Literal["mean", "sum"] = "mean") -> Tensor:
     """Mean next-token cross-entropy: x, y (B, T) -> scalar.
 
-    The logits (B, T, V) are flattened to (B T, V): every position counts once.
+    The logits (B, T, V) are flattened to (B T, V): every position counts once. With a
+    ``mask`` (B, T) only the targets where it is True count (`masked_lm_loss`).
     """
     logits = model(x)
-    return F.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1))
+    if mask is not None:
+        return masked_lm_loss(logits, y, mask, reduction=reduction)
+    return F.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1), reduction=reduction)
+
+
+def masked_lm_loss(logits: Tensor, targets: Tensor, mask: Tensor, *,
+                   reduction: Literal["mean", "sum"] = "mean") -> Tensor:
+    """Next-token cross-entropy over the targets where ``mask`` is True (e.g. the answer's
+    tokens): their mean (``"mean"``) or sum (``"sum"``); the other targets do not count.
+
+    Args:
+        logits: (B, T, V) next-token scores.
+        targets: (B, T) token ids.
+        mask: (B, T) bool, True where a target counts; at least one must for the mean.
+    """
+    if targets.shape != logits.shape[:-1] or mask.shape != targets.shape:
+        raise ValueError(f"need logits (B, T, V) with targets and mask (B, T), got "
+                         f"{tuple(logits.shape)}, {tuple(targets.shape)}, {tuple(mask.shape)}")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"mask must be a bool tensor (True: the target counts), got {mask.dtype}")
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+    total = losses.masked_select(mask.flatten()).sum()
+    if reduction == "sum":
+        return total
+    count = mask.sum()
+    if count == 0:
+        raise ValueError("the mask selects no target: a mean over none is undefined")
+    return total / count
 
 
 @torch.no_grad()
-def estimate_loss(model: nn.Module, splits: dict[str, np.ndarray], *, batch_size: int,
-                  context_length: int, eval_steps: int, seed: int = 0, bf16: bool = False,
-                  ctx: DistContext = SINGLE) -> dict[str, float]:
+def estimate_loss(model: nn.Module, splits: dict[str, np.ndarray | ExampleSet], *,
+                  batch_size: int, context_length: int, eval_steps: int, seed: int = 0,
+                  bf16: bool = False, ctx: DistContext = SINGLE) -> dict[str, float]:
     """Mean loss over ``eval_steps`` batches of each split, in eval mode (no dropout).
 
     The batches come from a generator seeded with ``seed`` at every call, so successive
@@ -409,9 +441,9 @@ def estimate_loss(model: nn.Module, splits: dict[str, np.ndarray], *, batch_size
             gen = torch.Generator().manual_seed(seed)
             total = torch.zeros((), device=device)
             for _ in range(eval_steps):
-                x, y = rank_batch(data, batch_size, context_length, ctx, generator=gen)
+                batch = rank_batch(data, batch_size, context_length, ctx, generator=gen)
                 with _autocast(device, bf16):
-                    total += lm_loss(model, x, y).float()
+                    total += lm_loss(model, *batch).float()
             out[name] = mean_over_ranks(total, ctx).item() / eval_steps
     return out
 
@@ -497,30 +529,41 @@ class StepResult:
 
 def train_step(
     model: nn.Module, optimizer: Optimizer,
-    micro_batches: Sequence[tuple[Tensor, Tensor]], *, grad_clip: float,
-    bf16: bool = False,
+    micro_batches: Sequence[tuple[Tensor, ...]], *, grad_clip: float,
+    bf16: bool = False, counted: Tensor | None = None,
 ) -> StepResult:
-    """One optimiser step on k micro-batches of (x, y), each (B, T).
+    """One optimiser step on k micro-batches of (x, y), each (B, T), or of (x, y, mask).
 
     Each micro-batch's mean loss is scaled by 1/k before its backward pass,
     so the summed gradient is that of the mean loss over all k * B
-    sequences. Under DDP the gradients are averaged over the ranks once,
-    during the last micro-batch's backward pass. The gradient is clipped to
-    norm ``grad_clip`` (0: not clipped) before the update.
+    sequences. Masked micro-batches count different numbers of targets n_i (answers of
+    different lengths), so their means are no equal shares: each one's *summed* loss is
+    divided by N = n_1 + ... + n_k instead, and the gradient is that of the mean over all
+    N counted targets. Under DDP the gradients are averaged over the ranks once, during
+    the last micro-batch's backward pass; ``counted`` is then N averaged over the ranks,
+    so that their average is the mean over every rank's counted targets. The gradient
+    is clipped to norm ``grad_clip`` (0: not clipped) before the update.
     """
     k = len(micro_batches)
+    masked = len(micro_batches[0]) == 3
+    if masked and counted is None:
+        counted = sum((b[2].sum() for b in micro_batches), torch.zeros((), dtype=torch.long))
     loss_sum = torch.zeros((), device=micro_batches[0][0].device)
-    for i, (x, y) in enumerate(micro_batches):
+    for i, batch in enumerate(micro_batches):
         with _sync_gradients(model, i == k - 1):
-            with _autocast(x.device, bf16):
-                loss = lm_loss(model, x, y)
-            (loss / k).backward()  # type: ignore[no-untyped-call]
+            with _autocast(batch[0].device, bf16):
+                if counted is None:
+                    loss = lm_loss(model, *batch)
+                    share = loss / k
+                else:
+                    share = loss = lm_loss(model, *batch, reduction="sum") / counted
+            share.backward()  # type: ignore[no-untyped-call]
         loss_sum += loss.detach().float()
     norm = nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     # .item() waits for the step to finish
-    return StepResult(loss_sum.item() / k, float(norm))
+    return StepResult(loss_sum.item() / (1 if masked else k), float(norm))
 
 
 def _sync_gradients(model: nn.Module, sync: bool) -> Any:
@@ -597,8 +640,8 @@ def _check_resumable(ckpt: dict[str, Any], model: GPT, config: TrainConfig,
                          "depend on it")
 
 
-def train(model: GPT | GPTConfig, config: TrainConfig, train_data: np.ndarray,
-          val_data: np.ndarray, *, tokenizer: Tokenizer | None = None,
+def train(model: GPT | GPTConfig, config: TrainConfig, train_data: np.ndarray | ExampleSet,
+          val_data: np.ndarray | ExampleSet, *, tokenizer: Tokenizer | None = None,
           out_dir: Path | str | None = None, resume: bool = False, stop_at: int | None = None,
           progress: bool = True, log: Callable[[str], None] | None = None,
           ctx: DistContext | None = None, compile: bool = False) -> TrainResult:
@@ -608,7 +651,8 @@ def train(model: GPT | GPTConfig, config: TrainConfig, train_data: np.ndarray,
         model: a `GPT` to train further, or a `GPTConfig` to build one from (its initial
             weights are then seeded by ``config.seed``).
         config: the run's `TrainConfig`.
-        train_data, val_data: (N,) token ids, e.g. `minigpt.data.load_ids` memmaps.
+        train_data, val_data: (N,) token ids, e.g. `minigpt.data.load_ids` memmaps, or
+            `ExampleSet`s, whose masked targets alone count (supervised fine-tuning).
         tokenizer: stored in checkpoints so that sampling can decode.
         out_dir: where ``checkpoint.pt`` goes, after every evaluation and at the end.
         resume: continue the run saved in ``out_dir`` (`resume_run`), with its schedule.
@@ -658,7 +702,8 @@ def train(model: GPT | GPTConfig, config: TrainConfig, train_data: np.ndarray,
                                                  time.perf_counter() - wall0, ctx))
 
 
-def _evaluate(model: GPT, config: TrainConfig, train_data: np.ndarray, val_data: np.ndarray,
+def _evaluate(model: GPT, config: TrainConfig, train_data: np.ndarray | ExampleSet,
+              val_data: np.ndarray | ExampleSet,
               history: History, step: int, bar: Any, log: Callable[[str], None] | None,
               ctx: DistContext) -> None:
     # Each rank scores its share of global batches: the numbers do not depend on the number
@@ -667,7 +712,7 @@ def _evaluate(model: GPT, config: TrainConfig, train_data: np.ndarray, val_data:
                            batch_size=config.batch_size, seed=config.seed + 1,
                            context_length=model.config.context_length,
                            eval_steps=config.eval_steps, bf16=config.bf16, ctx=ctx)
-    if config.eval_full:  # the same on every rank: each scores the whole split
+    if config.eval_full and not isinstance(val_data, ExampleSet):  # the same on every rank
         losses["val"] = full_loss(model, val_data, bf16=config.bf16)
     history.eval_step.append(step)
     history.train_loss.append(losses["train"])
@@ -692,7 +737,8 @@ def restore(out_dir: Path, model: GPT, optimizer: Optimizer, config: TrainConfig
 
 
 def _optimizer_step(step: int, trainee: nn.Module, optimizer: Optimizer,
-                    config: TrainConfig, data: np.ndarray, batch_gen: torch.Generator,
+                    config: TrainConfig, data: np.ndarray | ExampleSet,
+                    batch_gen: torch.Generator,
                     history: History, ctx: DistContext, T: int) -> float:
     """Step ``step`` of the run: its learning rate, its batches, `train_step`, the history."""
     lr = schedule_lr(step, config)
@@ -700,8 +746,12 @@ def _optimizer_step(step: int, trainee: nn.Module, optimizer: Optimizer,
     t0 = time.perf_counter()
     batches = [rank_batch(data, config.batch_size, T, ctx, generator=batch_gen)
                for _ in range(config.grad_accum)]
+    counted = None
+    if ctx.distributed and len(batches[0]) == 3:  # masked: the ranks' mean answer count
+        counted = mean_over_ranks(torch.stack([b[2].sum() for b in batches]).sum().double(),
+                                  ctx)
     result = train_step(trainee, optimizer, batches, grad_clip=config.grad_clip,
-                        bf16=config.bf16)
+                        bf16=config.bf16, counted=counted)
     loss = result.loss
     if ctx.distributed:  # the loss of the whole global batch, as one process sees it
         loss = mean_over_ranks(torch.tensor(loss, dtype=torch.float64), ctx).item()
@@ -736,8 +786,8 @@ def _check_train_args(config: TrainConfig, out_dir: Path | str | None, resume: b
     return ctx
 
 
-def _set_up(model: GPT | GPTConfig, config: TrainConfig, train_data: np.ndarray,
-            val_data: np.ndarray, ctx: DistContext,
+def _set_up(model: GPT | GPTConfig, config: TrainConfig, train_data: np.ndarray | ExampleSet,
+            val_data: np.ndarray | ExampleSet, ctx: DistContext,
             ) -> tuple[GPT, Optimizer, torch.Generator]:
     """The model on its device, its optimiser, the batch generator; dropout's seed."""
     model = _build_model(model, config, train_data, val_data).to(ctx.device)
@@ -746,8 +796,8 @@ def _set_up(model: GPT | GPTConfig, config: TrainConfig, train_data: np.ndarray,
     return model, optimizer, torch.Generator().manual_seed(config.seed)
 
 
-def _build_model(model: GPT | GPTConfig, config: TrainConfig, train_data: np.ndarray,
-                 val_data: np.ndarray) -> GPT:
+def _build_model(model: GPT | GPTConfig, config: TrainConfig,
+                 train_data: np.ndarray | ExampleSet, val_data: np.ndarray | ExampleSet) -> GPT:
     if isinstance(model, GPTConfig):
         torch.manual_seed(config.seed)  # the initial weights
         model = GPT(model)
@@ -755,7 +805,12 @@ def _build_model(model: GPT | GPTConfig, config: TrainConfig, train_data: np.nda
         raise TypeError(f"model must be a GPT or a GPTConfig, got {type(model).__name__}")
     T = model.config.context_length
     for name, data in (("train_data", train_data), ("val_data", val_data)):
-        if len(data) <= T:
+        if isinstance(data, ExampleSet):
+            data.check_context_length(T)
+            if config.eval_full:
+                raise ValueError(f"eval_full scores a stream of ids; {name} is an ExampleSet, "
+                                 "whose loss eval_steps batches estimate")
+        elif len(data) <= T:
             raise ValueError(f"{name} has {len(data)} tokens; it needs more than "
                              f"context_length={T}")
     return model

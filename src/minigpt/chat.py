@@ -1,0 +1,263 @@
+"""The chat format: a conversation as one sequence of tokens, and back.
+
+A conversation is a list of turns, each a role (``"user"`` or ``"assistant"``) and a text.
+It is written as the role's special token, the text, and the end-of-turn token, turn after
+turn::
+
+    <|user|>first word: Now, fair Hippolyta<|end|><|assistant|>Now<|end|>
+
+`render` and `parse` convert between turns and that text; `encode_conversation` and
+`decode_conversation` between turns and token ids, with a mask of the tokens an assistant
+says (its texts and their end tokens: what supervised fine-tuning trains on). Anything that
+is not a conversation is refused with a `ChatFormatError` saying where and why.
+`add_chat_tokens` gives a pretrained model and its tokenizer the three new tokens, keeping
+every old weight, and `reply` lets the model answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import regex
+import torch
+
+from minigpt.decoding import generate
+from minigpt.model import GPT
+from minigpt.tokenizer import (
+    ASSISTANT,
+    CHAT_TOKENS,
+    END_OF_TURN,
+    USER,
+    BPETokenizer,
+    CharTokenizer,
+    Tokenizer,
+    with_special_tokens,
+)
+
+Role = Literal["user", "assistant"]
+ROLE_TOKENS: dict[str, str] = {"user": USER, "assistant": ASSISTANT}
+_ROLE_OF = {token: role for role, token in ROLE_TOKENS.items()}
+_SPECIAL = regex.compile("(" + "|".join(regex.escape(t) for t in CHAT_TOKENS) + ")")
+
+
+class ChatFormatError(ValueError):
+    """A text, a list of ids or a list of turns that is not a conversation."""
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One turn of a conversation: who speaks (``"user"`` or ``"assistant"``) and what."""
+
+    role: Role
+    text: str
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLE_TOKENS:
+            raise ChatFormatError(f"a turn's role must be one of {sorted(ROLE_TOKENS)}, "
+                                  f"got {self.role!r}")
+        if not isinstance(self.text, str):
+            raise ChatFormatError(f"a turn's text must be a str, got {type(self.text).__name__}")
+        found = _SPECIAL.search(self.text)
+        if found:
+            raise ChatFormatError(f"the {self.role}'s text {_snippet(self.text)} contains the "
+                                  f"special token {found.group()!r} at position "
+                                  f"{found.start()}; a turn's text may not hold "
+                                  f"{', '.join(CHAT_TOKENS)}")
+
+
+def _snippet(text: str, width: int = 30) -> str:
+    return repr(text if len(text) <= width else text[:width] + "...")
+
+
+def _check_turns(turns: Sequence[Turn]) -> list[Turn]:
+    if isinstance(turns, str | bytes) or not isinstance(turns, Sequence):
+        raise ChatFormatError(f"a conversation is a sequence of Turn objects, got "
+                              f"{type(turns).__name__}")
+    if not turns:
+        raise ChatFormatError("a conversation needs at least one turn")
+    for k, turn in enumerate(turns):
+        if not isinstance(turn, Turn):
+            raise ChatFormatError(f"turn {k} is a {type(turn).__name__}, not a Turn")
+    return list(turns)
+
+
+def render(turns: Sequence[Turn]) -> str:
+    """The conversation as text: ``<|role|>text<|end|>`` for each turn."""
+    return "".join(ROLE_TOKENS[t.role] + t.text + END_OF_TURN for t in _check_turns(turns))
+
+
+# A conversation read token by token: special tokens (by their string) and plain texts, with
+# the position (character or token index) each starts at.
+Piece = tuple[str, str, int]  # ("special" | "text", the token or the text, position)
+
+
+def _assemble(pieces: Iterable[Piece], unit: str) -> list[Turn]:
+    """Turns from pieces that must follow ``(<|role|> text? <|end|>)+``."""
+    turns: list[Turn] = []
+    role: str | None = None  # the open turn's role
+    text = ""
+    for kind, value, pos in pieces:
+        if kind == "text":
+            if role is None:
+                raise ChatFormatError(f"the text {_snippet(value)} at {unit} {pos} lies outside "
+                                      f"any turn; a turn opens with {USER} or {ASSISTANT}")
+            text = value
+        elif value in _ROLE_OF:
+            if role is not None:
+                raise ChatFormatError(f"{value} at {unit} {pos} opens a turn inside the "
+                                      f"unfinished {role} turn; close that with {END_OF_TURN}")
+            role, text = _ROLE_OF[value], ""
+        elif value == END_OF_TURN:
+            if role is None:
+                raise ChatFormatError(f"{END_OF_TURN} at {unit} {pos} closes no turn; a turn "
+                                      f"opens with {USER} or {ASSISTANT}")
+            turns.append(Turn(role, text))  # type: ignore[arg-type]
+            role = None
+        else:
+            raise ChatFormatError(f"the special token {value!r} at {unit} {pos} has no place in "
+                                  f"a conversation; its tokens are {', '.join(CHAT_TOKENS)}")
+    if role is not None:
+        raise ChatFormatError(f"the last turn ({role}) is unfinished: it must end with "
+                              f"{END_OF_TURN}")
+    if not turns:
+        raise ChatFormatError("no turn found: a conversation needs at least one")
+    return turns
+
+
+def parse(text: str) -> list[Turn]:
+    """The turns of a rendered conversation; `ChatFormatError` if ``text`` is not one."""
+    if not isinstance(text, str):
+        raise ChatFormatError(f"parse reads a str, got {type(text).__name__}")
+    pieces: list[Piece] = []
+    pos = 0
+    for k, part in enumerate(_SPECIAL.split(text)):
+        if part:
+            pieces.append(("special" if k % 2 else "text", part, pos))
+        pos += len(part)
+    return _assemble(pieces, "character")
+
+
+def _chat_ids(tokenizer: Tokenizer) -> dict[str, int]:
+    special = tokenizer.special_tokens
+    missing = [t for t in CHAT_TOKENS if t not in special]
+    if missing:
+        raise ValueError(f"the tokenizer {tokenizer.name} lacks the chat tokens {missing}; "
+                         "add them with minigpt.tokenizer.with_special_tokens")
+    return special
+
+
+def encode_conversation(turns: Sequence[Turn],
+                        tokenizer: Tokenizer) -> tuple[list[int], list[bool]]:
+    """Token ids of the rendered conversation, and a mask that is True on the tokens an
+    assistant says: its texts and their end tokens (not its role token, which the user's
+    side writes to ask for an answer). Texts are encoded with ``encode_ordinary``."""
+    special = _chat_ids(tokenizer)
+    ids: list[int] = []
+    mask: list[bool] = []
+    for turn in _check_turns(turns):
+        body = tokenizer.encode_ordinary(turn.text) + [special[END_OF_TURN]]
+        said = turn.role == "assistant"
+        ids += [special[ROLE_TOKENS[turn.role]]] + body
+        mask += [False] + [said] * len(body)
+    return ids, mask
+
+
+def decode_conversation(ids: Sequence[int], tokenizer: Tokenizer) -> list[Turn]:
+    """The turns of a sequence of token ids; `ChatFormatError` if it is not a conversation."""
+    special = _chat_ids(tokenizer)
+    name_of = {i: s for s, i in special.items()}
+    ids = list(ids)
+    pieces: list[Piece] = []
+    start = 0
+    for k, i in enumerate([*ids, None]):
+        if i is None or i in name_of:
+            if k > start:  # the plain tokens since the last special one
+                pieces.append(("text", tokenizer.decode(ids[start:k]), start))
+            if i is not None:
+                pieces.append(("special", name_of[i], k))
+            start = k + 1
+    return _assemble(pieces, "token")
+
+
+def prompt_ids(turns: Sequence[Turn], tokenizer: Tokenizer) -> list[int]:
+    """The ids that ask for the assistant's next turn: the conversation, then
+    ``<|assistant|>``. The conversation must end with a user's turn."""
+    turns = _check_turns(turns)
+    if turns[-1].role != "user":
+        raise ChatFormatError("a prompt asks for an answer: its last turn must be the user's")
+    ids, _ = encode_conversation(turns, tokenizer)
+    return ids + [_chat_ids(tokenizer)[ASSISTANT]]
+
+
+# ------------------------------------------------------------------------------ the model
+
+@torch.no_grad()
+def extend_vocabulary(model: GPT, vocab_size: int) -> GPT:
+    """A copy of ``model`` that reads and predicts ``vocab_size`` tokens, the old V first.
+
+    Every old weight is kept exactly: the rows 0..V-1 of the token embedding (and of the
+    head, if it is not tied to it) and every other parameter, so the old tokens' logits are
+    the old model's. A new token's row starts as the mean of the old rows: it is read like
+    an average token and, through the head, scored like one, so it takes a small share of
+    the probability rather than a random, possibly large one.
+    """
+    if not isinstance(model, GPT):
+        raise TypeError(f"extend_vocabulary needs a minigpt.GPT, got {type(model).__name__}")
+    old = model.config.vocab_size
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < old:
+        raise ValueError(f"vocab_size must be an int >= the model's {old} tokens (a vocabulary "
+                         f"only grows), got {vocab_size!r}")
+    param = next(model.parameters())
+    with torch.random.fork_rng(devices=[]):  # the new model's random start is overwritten
+        new = GPT(model.config.model_copy(update={"vocab_size": vocab_size}))
+    new.to(device=param.device, dtype=param.dtype)
+    state = model.state_dict()
+    for name in ("wte.weight", "lm_head.weight"):
+        rows = state[name]
+        state[name] = torch.cat([rows, rows.mean(0, keepdim=True).expand(vocab_size - old, -1)])
+    new.load_state_dict(state)
+    return new.train(model.training)
+
+
+def add_chat_tokens(model: GPT, tokenizer: CharTokenizer | BPETokenizer,
+                    ) -> tuple[GPT, CharTokenizer | BPETokenizer]:
+    """``tokenizer`` with the chat tokens (`with_special_tokens`) and ``model`` extended to
+    read and predict them (`extend_vocabulary`)."""
+    if tokenizer.vocab_size != model.config.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens and the model "
+                         f"{model.config.vocab_size}: they must be a model and its tokenizer")
+    chat = with_special_tokens(tokenizer, CHAT_TOKENS)
+    return extend_vocabulary(model, chat.vocab_size), chat
+
+
+def reply(model: GPT, tokenizer: Tokenizer, turns: Sequence[Turn], *,
+          max_new_tokens: int = 32) -> str:
+    """The assistant's greedy answer to ``turns``: the most likely token each step, until
+    it ends its turn, the context is full or ``max_new_tokens`` tokens have come."""
+    ids = prompt_ids(turns, tokenizer)
+    return greedy_replies(model, tokenizer, [ids], max_new_tokens=max_new_tokens)[0]
+
+
+def greedy_replies(model: GPT, tokenizer: Tokenizer, prompts: Sequence[Sequence[int]], *,
+                   max_new_tokens: int = 32, stop: int | None = None) -> list[str]:
+    """Greedy continuations of several prompts (lists of ids), each cut before its first
+    ``stop`` token (default: the end of turn) and decoded. Prompts of equal length are
+    decoded together; a continuation stops where the context is full."""
+    stop = _chat_ids(tokenizer)[END_OF_TURN] if stop is None else stop
+    T = model.config.context_length
+    out: list[str] = [""] * len(prompts)
+    by_length: dict[int, list[int]] = {}
+    for k, p in enumerate(prompts):
+        if not 0 < len(p) < T:
+            raise ValueError(f"prompt {k} has {len(p)} tokens; a prompt needs 1 to {T - 1}, "
+                             f"leaving room for an answer in the context of {T}")
+        by_length.setdefault(len(p), []).append(k)
+    for length, rows in by_length.items():
+        n = min(max_new_tokens, T - length)
+        new = generate(model, [list(prompts[k]) for k in rows], n, greedy=True)[:, length:]
+        for k, seq in zip(rows, new.tolist(), strict=True):
+            cut = seq.index(stop) if stop in seq else len(seq)
+            out[k] = tokenizer.decode(seq[:cut])
+    return out
