@@ -76,7 +76,7 @@ def test_each_pair_prefers_the_right_answer_to_a_wrong_one() -> None:
     ("reverse", "x", "moon", {"moon", "onom"}),
     ("upper", "x", "moon", {"moon", "Moon"}),
     ("length", "x", "moon", {"three", "five"}),
-    ("first_word", "now now now", "", {"noww"}),  # the second word is the answer: last letter doubled
+    ("first_word", "now now now", "", {"noww"}),  # 2nd word = answer: doubled
 ])
 def test_near_misses(family: str, line: str, word: str, expected: set[str]) -> None:
     q, a = FAMILIES[family](line, line_words(line) or [], word)
