@@ -226,14 +226,22 @@ def train_dpo(policy: GPT, tokenizer: Tokenizer, train_pairs: Sequence[Preferenc
 def preference_metrics(policy: GPT, data: PreferenceSet, beta: float) -> dict[str, float]:
     """On held-out pairs (encoded with the reference's log-probabilities): ``accuracy``,
     the fraction of pairs whose chosen answer gains more log-ratio than the rejected one
-    (implied reward of the chosen > the rejected's; beta does not change it), ``margin``,
-    the mean implied reward margin beta * (r_w - r_l), and ``loss``, the mean DPO loss."""
+    (implied reward of the chosen > the rejected's; a tie, as at the start, counts as
+    wrong; beta does not change it), ``margin``, the mean implied reward margin
+    beta * (r_w - r_l), ``loss``, the mean DPO loss, ``chosen_shift`` and
+    ``rejected_shift``, the mean log-ratios r_w and r_l (how far the policy moved each
+    answer's log-probability), and ``ranking``, the fraction of pairs where the policy
+    itself gives the chosen answer the higher log-probability."""
     beta = check_beta(beta)
     pi, ref = pair_logprobs(policy, data), data.reference
-    margin = beta * ((pi[:, 0] - ref[:, 0]) - (pi[:, 1] - ref[:, 1]))
+    ratio = (pi - ref).double()
+    margin = beta * (ratio[:, 0] - ratio[:, 1])
     return {"accuracy": (margin > 0).double().mean().item(),
-            "margin": margin.double().mean().item(),
-            "loss": (-F.logsigmoid(margin)).double().mean().item()}
+            "margin": margin.mean().item(),
+            "loss": (-F.logsigmoid(margin)).mean().item(),
+            "chosen_shift": ratio[:, 0].mean().item(),
+            "rejected_shift": ratio[:, 1].mean().item(),
+            "ranking": (pi[:, 0] > pi[:, 1]).double().mean().item()}
 
 
 @torch.no_grad()
@@ -275,10 +283,13 @@ def sampled_kl(policy: GPT, reference: GPT, prompts: Sequence[Sequence[int]], en
 
 def evaluate_dpo(policy: GPT, reference: GPT, tokenizer: Tokenizer,
                  val_pairs: Sequence[PreferencePair], beta: float, *,
-                 kl_samples: int = 4, seed: int = 0) -> dict[str, float]:
-    """`preference_metrics` on ``val_pairs`` and ``kl``, `sampled_kl` on their questions."""
+                 kl_samples: int = 4, kl_prompts: int = 200, seed: int = 0,
+                 ) -> dict[str, float]:
+    """`preference_metrics` on ``val_pairs`` and ``kl``, `sampled_kl` on the questions of
+    every k-th pair, ``kl_prompts`` of them at most."""
     data = encode_pairs(val_pairs, tokenizer, reference)
-    prompts = [prompt_ids(p.conversations()[0][:1], tokenizer) for p in val_pairs]
+    every = max(1, -(-len(val_pairs) // kl_prompts))
+    prompts = [prompt_ids(p.conversations()[0][:1], tokenizer) for p in val_pairs[::every]]
     kl = sampled_kl(policy, reference, prompts, tokenizer.special_tokens[END_OF_TURN],
                     samples=kl_samples, seed=seed)
     return preference_metrics(policy, data, beta) | {"kl": kl}
