@@ -13,7 +13,7 @@ import torch
 from hypothesis import given
 
 from minigpt import GPT, GPTConfig
-from minigpt.chat import add_chat_tokens, prompt_ids
+from minigpt.chat import add_chat_tokens, greedy_replies, prompt_ids
 from minigpt.dpo import (
     PreferencePair,
     PreferenceSet,
@@ -22,6 +22,7 @@ from minigpt.dpo import (
     encode_pairs,
     evaluate_dpo,
     make_pairs,
+    model_pairs,
     near_miss,
     pair_logprobs,
     preference_loss,
@@ -92,6 +93,23 @@ def test_a_near_miss_is_never_the_answer(word: str, seed: int) -> None:
         w = word if family in ("reverse", "upper", "length") else ""
         q, a = make(line, line_words(line) or [], w)
         assert near_miss(Task(family, q, a, line, w), random.Random(seed)) != a
+
+
+def test_on_policy_pairs_reject_the_models_own_wrong_answers() -> None:
+    model, tok = chat_model()
+    ts = tasks()
+    pairs = model_pairs(model, tok, ts, seed=0, max_new_tokens=4)
+    answers = greedy_replies(model, tok, [prompt_ids(t.conversation()[:1], tok) for t in ts],
+                             max_new_tokens=4)
+    own = 0
+    for pair, answer in zip(pairs, answers, strict=True):
+        assert pair.chosen == pair.task.answer != pair.rejected
+        if answer and answer != pair.task.answer and "<|" not in answer:
+            assert pair.rejected == answer
+            own += 1
+    assert own > 0
+    with pytest.raises(ValueError, match="at least one task"):
+        model_pairs(model, tok, [])
 
 
 def test_bad_pairs_are_refused() -> None:

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from minigpt import GPT, GPTConfig, sft
 from minigpt.chat import decode_conversation
 from minigpt.data import ExampleSet
-from minigpt.sft import encode_tasks, finetune, text_windows
+from minigpt.sft import encode_tasks, finetune
 from minigpt.tasks import Task
 from minigpt.tokenizer import CharTokenizer, with_special_tokens
 from minigpt.train import TrainConfig, estimate_loss, lm_loss, masked_lm_loss, train, train_step
@@ -199,6 +199,10 @@ def test_finetune_gives_the_model_the_chat_tokens_and_leaves_the_base_alone() ->
 
 
 def test_replayed_text_is_trained_on_with_every_target_counted(monkeypatch) -> None:
+    # Imported here: the DDP test's worker processes import this module with whichever
+    # minigpt their environment installs.
+    from minigpt.sft import text_windows
+
     tok = CharTokenizer.from_text("abcdefghijklmnopqrstuvwxyz :")
     torch.manual_seed(0)
     base = GPT(GPTConfig(vocab_size=tok.vocab_size, context_length=24, d_model=16,

@@ -23,10 +23,11 @@ from typing import Any
 import torch
 
 from minigpt import pretrained
+from minigpt.data import split_text
 from minigpt.dpo import DPO_TRAINING, check_beta, evaluate_dpo, make_pairs, train_dpo
 from minigpt.model import GPT
 from minigpt.pretrained import Built, ModelInfo, cached_model
-from minigpt.sft import SFT_TRAINING, finetune
+from minigpt.sft import SFT_TRAINING, finetune, text_windows
 from minigpt.tasks import TaskSplit, exact_match, make_tasks
 from minigpt.tokenizer import CHAT_TOKENS, CharTokenizer, with_special_tokens
 from minigpt.train import TrainConfig
@@ -46,6 +47,10 @@ class AssistantRecipe:
         n_train, n_test: tasks of each family for training and held out (`make_tasks`).
         task_seed: the seed of the tasks and their split.
         sft: fine-tuning's settings (its seed is replaced by each model's).
+        replay, replay_chars: windows of the base model's training text, and their length,
+            mixed into fine-tuning (`minigpt.sft.finetune`'s ``replay``): without them the
+            fine-tuned model forgets how to continue text (measured: 8.8 bits per
+            character on held-out text, against the base model's 2.7).
         dpo: DPO's settings; beta its KL weight; pair_seed the seed of the near misses.
         threads: torch threads while training (one: the same weights on every run).
     """
@@ -56,6 +61,8 @@ class AssistantRecipe:
     task_seed: int = 0
     sft: TrainConfig = field(default_factory=lambda: TrainConfig(**(SFT_TRAINING | dict(
         max_steps=600, lr=1e-3, min_lr=1e-4))))
+    replay: int = 500
+    replay_chars: int = 40
     dpo: TrainConfig = field(default_factory=lambda: TrainConfig(**(DPO_TRAINING | dict(
         max_steps=100, lr=3e-5, min_lr=3e-6))))
     beta: float = 0.5
@@ -77,6 +84,7 @@ def _material(kind: str, parent: ModelInfo, model_config: dict[str, Any],
     return {"assistant_version": ASSISTANT_VERSION, "kind": kind, "parent": parent.key,
             "model_config": model_config, "train_config": config.model_dump(),
             "tasks": [recipe.n_train, recipe.n_test, recipe.task_seed],
+            "replay": [recipe.replay, recipe.replay_chars],
             "threads": recipe.threads, "torch": torch.__version__} | more
 
 
@@ -100,9 +108,13 @@ def sft_model(seed: int = 0, *, progress: bool = False, recipe: AssistantRecipe 
         tasks = assistant_tasks(recipe)
         say(f"fine-tuning the book model once (seed {seed}, {config.max_steps} steps); it "
             f"is cached in {folder}")
+        seen = split_text(pretrained.corpus(), recipe.base.train_fraction)[0]
+        replay = text_windows(seen, recipe.replay, recipe.replay_chars, seed=seed) if (
+            recipe.replay) else []
         with pretrained.threads(recipe.threads):
             result, chat = finetune(base, tokenizer, tasks.train, tasks.test, config,
-                                    log=say if progress else None, **_say_training(progress))
+                                    replay=replay, log=say if progress else None,
+                                    **_say_training(progress))
             em = exact_match(result.model, chat, tasks.test)
         return result.model, result.metrics | {"exact_match": em}, asdict(result.history)
 

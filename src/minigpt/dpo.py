@@ -35,12 +35,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from minigpt.chat import Turn, encode_conversation, prompt_ids
+from minigpt.chat import Turn, encode_conversation, greedy_replies, prompt_ids
 from minigpt.data import ExampleSet
 from minigpt.decoding import eval_mode, generate
 from minigpt.model import GPT
 from minigpt.tasks import NUMBERS, Task, line_words
-from minigpt.tokenizer import END_OF_TURN, Tokenizer
+from minigpt.tokenizer import CHAT_TOKENS, END_OF_TURN, Tokenizer
 from minigpt.train import TrainConfig, TrainResult, train
 
 #: DPO's settings from a fine-tuned book model: a small rate (the policy starts at the
@@ -98,6 +98,24 @@ def make_pairs(tasks: Sequence[Task], *, seed: int = 0) -> list[PreferencePair]:
         raise ValueError("make_pairs needs at least one task")
     rng = random.Random(seed)
     return [PreferencePair(t, t.answer, near_miss(t, rng)) for t in tasks]
+
+
+def model_pairs(model: GPT, tokenizer: Tokenizer, tasks: Sequence[Task], *, seed: int = 0,
+                max_new_tokens: int = 12) -> list[PreferencePair]:
+    """One pair per task, the rejected answer the model's own greedy answer where that is
+    wrong (on-policy: the mistakes it makes), else a `near_miss`."""
+    if not tasks:
+        raise ValueError("model_pairs needs at least one task")
+    prompts = [prompt_ids(t.conversation()[:1], tokenizer) for t in tasks]
+    answers = greedy_replies(model, tokenizer, prompts, max_new_tokens=max_new_tokens)
+    rng = random.Random(seed)
+    return [PreferencePair(t, t.answer, a if a != t.answer and _plain(a) else near_miss(t, rng))
+            for t, a in zip(tasks, answers, strict=True)]
+
+
+def _plain(answer: str) -> bool:
+    """An answer that can be a turn's text: not empty, no chat token."""
+    return bool(answer) and not any(token in answer for token in CHAT_TOKENS)
 
 
 class PreferenceSet(ExampleSet):
