@@ -63,14 +63,16 @@ $(NPM_STAMP): package.json package-lock.json
 assets: $(STAMP)
 	$(PY) -m minigpt assets
 
-# The small models the chapters share (the book model, its draft and the modern model),
-# trained once and cached; later runs only verify them. The chapters load them. Each trains
-# on one thread (so its weights are the same on every run), so two processes train them side
-# by side: the modern model in one, the book model and its draft in the other (about three
-# minutes on a 2-core CPU instead of five). Each model's cache has its own lock.
+# The small models the chapters share (the book model, its draft, the modern model, and the
+# assistants: the book model fine-tuned with three seeds and preference-tuned), trained once
+# and cached; later runs only verify them. The chapters load them. Each trains on one thread
+# (so its weights are the same on every run), so two processes train them side by side: the
+# modern model and two fine-tuned ones in one, the book model, its draft, the third
+# fine-tuned one and the DPO model in the other. Each model's cache has its own lock (a
+# fine-tuning waits for the book model if the other process is still training it).
 book-model: assets
-	$(PY) -m minigpt pretrained --only modern & modern=$$!; \
-	$(PY) -m minigpt pretrained --only book --only draft; book=$$?; \
+	$(PY) -m minigpt pretrained --only modern --only sft-1 --only sft-2 & modern=$$!; \
+	$(PY) -m minigpt pretrained --only book --only draft --only sft-0 --only dpo; book=$$?; \
 	wait $$modern && test $$book = 0
 
 setup: $(STAMP) $(NPM_STAMP) assets book-model

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from test_parallel import _ranks
 from torch import Tensor, nn
 
-from minigpt import GPT, GPTConfig
+from minigpt import GPT, GPTConfig, sft
 from minigpt.chat import decode_conversation
 from minigpt.data import ExampleSet
 from minigpt.sft import encode_tasks, finetune
@@ -196,6 +196,34 @@ def test_finetune_gives_the_model_the_chat_tokens_and_leaves_the_base_alone() ->
     result, chat = finetune(base, tok, tasks, tasks, run_config(max_steps=3), progress=False)
     assert chat.vocab_size == result.model.config.vocab_size == tok.vocab_size + 3
     assert all(torch.equal(before[k], v) for k, v in base.state_dict().items())
+
+
+def test_replayed_text_is_trained_on_with_every_target_counted(monkeypatch) -> None:
+    # Imported here: the DDP test's worker processes import this module with whichever
+    # minigpt their environment installs.
+    from minigpt.sft import text_windows
+
+    tok = CharTokenizer.from_text("abcdefghijklmnopqrstuvwxyz :")
+    torch.manual_seed(0)
+    base = GPT(GPTConfig(vocab_size=tok.vocab_size, context_length=24, d_model=16,
+                         n_heads=2, n_layers=1))
+    tasks = [Task("reverse", f"reverse: {w}", w[::-1], w) for w in ("abc", "hello", "dog")]
+    seen = {}
+
+    def spy(model, config, train_data, val_data, **kwargs):
+        seen["train"], seen["val"] = train_data, val_data
+        return "result"
+
+    monkeypatch.setattr(sft, "train", spy)
+    windows = text_windows("the quick brown fox jumps over the lazy dog", 2, 10, seed=1)
+    assert windows == text_windows("the quick brown fox jumps over the lazy dog", 2, 10, seed=1)
+    assert [len(w) for w in windows] == [10, 10]
+    finetune(base, tok, tasks, tasks, run_config(max_steps=3), replay=windows)
+    data = seen["train"]
+    assert len(data) == 5 and len(seen["val"]) == 3
+    assert tok.decode(data.sequences[3].tolist()) == windows[0] and data.masks[3].all()
+    with pytest.raises(ValueError, match="need n >= 1 windows"):
+        text_windows("abc", 1, 5)
 
 
 # ----- several processes --------------------------------------------------------------------

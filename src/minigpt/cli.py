@@ -1,7 +1,8 @@
-"""Command line: `python -m minigpt {train,sample,assets,pretrained} ...`.
+"""Command line: `python -m minigpt {train,sample,assets,pretrained,chat,sft,dpo,eval} ...`.
 
 `train` has one flag per field of `GPTConfig` and `TrainConfig`, made from the fields
 (`minigpt.flags`); `--recipe modern` starts from the modern layout and training instead.
+The assistant's commands (chat, sft, dpo, eval) are `minigpt.assistant_cli`'s.
 A bad input is one line on stderr: exit 2 for a usage error, 1 for any other, 130 when
 interrupted. `train --nproc-per-node N` starts N processes with `torch.distributed.run`.
 """
@@ -20,7 +21,7 @@ import torch
 from pydantic import BaseModel, Field, ValidationError
 from tqdm import tqdm
 
-from minigpt import assets, data, parallel, pretrained
+from minigpt import assets, assistant_cli, data, parallel, pretrained
 from minigpt.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from minigpt.config import GPTConfig
 from minigpt.flags import add_model_flags, flag
@@ -90,7 +91,8 @@ class RunFlags(BaseModel):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m minigpt", epilog="`python -m minigpt COMMAND --help` lists a command's "
-        "options.", description="Train GPTs, sample from them, and set up the book's files.")
+        "options.", description="Train GPTs, sample from them, fine-tune, chat, evaluate, "
+        "and set up the book's files.")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
     for name, handler, help_ in (
             ("train", _train, "train a GPT on a text file (defaults: nanoGPT's CPU recipe "
@@ -119,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--only", choices=sorted(pretrained.MODELS), action="append",
                            help="only this model (repeatable; default: all)")
             p.add_argument("--quiet", action="store_true", help="no progress bar")
+    assistant_cli.add_commands(commands)
     return parser
 
 

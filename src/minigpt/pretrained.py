@@ -39,6 +39,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -210,7 +211,8 @@ def _load(folder: Path, key: str, material: dict[str, Any]) -> tuple[GPT, dict[s
 # ----------------------------------------------------------------------------- building
 
 @contextlib.contextmanager
-def _threads(n: int) -> Iterator[None]:
+def threads(n: int) -> Iterator[None]:
+    """Run the block with ``n`` torch threads (the number before is restored after)."""
     before = torch.get_num_threads()
     torch.set_num_threads(n)
     try:
@@ -225,9 +227,15 @@ def _locked(path: Path) -> FileLock:
     return FileLock(str(path))
 
 
-def _build(folder: Path, key: str, material: dict[str, Any], recipe: Recipe, text: str,
-           progress: bool, say: Callable[[str], None]) -> tuple[GPT, dict[str, Any]]:
-    """Train the model with `minigpt.train.train` and write it (weights, then manifest)."""
+#: What building a model gives: the model, its metrics and its training history.
+Built = tuple[GPT, dict[str, Any], dict[str, Any]]
+#: Builds a model: given the function that reports progress and the cache folder.
+Builder = Callable[[Callable[[str], None], Path], Built]
+
+
+def _train_recipe(recipe: Recipe, text: str, progress: bool, say: Callable[[str], None],
+                  folder: Path) -> Built:
+    """Train the model of ``recipe`` on ``text`` with `minigpt.train.train`."""
     tokenizer = CharTokenizer.from_text(text)
     train_text, val_text = split_text(text, recipe.train_fraction)
     train_ids = np.asarray(tokenizer.encode_ordinary(train_text), dtype=np.uint16)
@@ -239,10 +247,17 @@ def _build(folder: Path, key: str, material: dict[str, Any], recipe: Recipe, tex
     # The bar only on a terminal: in a log file (a CI runner's) its thousand redraws would
     # bury the few evaluation lines, which are printed either way.
     bar = progress and sys.stderr.isatty()
-    with _threads(recipe.threads):
+    with threads(recipe.threads):
         result = train(config, recipe.training, train_ids, val_ids, tokenizer=tokenizer,
                        progress=bar, log=say if progress else None)
-    model = result.model.to("cpu").eval()
+    return result.model, result.metrics, asdict(result.history)
+
+
+def _store(folder: Path, key: str, material: dict[str, Any], built: Built,
+           ) -> tuple[GPT, dict[str, Any]]:
+    """Write a built model into ``folder`` (weights, then manifest); return it, on the CPU
+    in eval mode, and its manifest."""
+    model = built[0].to("cpu").eval()
     buffer = io.BytesIO()
     torch.save(model.state_dict(), buffer)
     weights = buffer.getvalue()
@@ -251,8 +266,8 @@ def _build(folder: Path, key: str, material: dict[str, Any], recipe: Recipe, tex
         "key_material": material,
         "weights_file": WEIGHTS_NAME,
         "weights_sha256": hashlib.sha256(weights).hexdigest(),
-        "metrics": result.metrics,
-        "history": asdict(result.history),
+        "metrics": built[1],
+        "history": built[2],
     }
     if folder.exists():
         shutil.rmtree(folder)  # whatever was there was found unusable
@@ -279,12 +294,20 @@ def load_or_build(recipe: Recipe, text: str, *, progress: bool = False,
         raise TypeError(f"recipe must be a Recipe, got {type(recipe).__name__}")
     if not isinstance(text, str) or len(text) < 2:
         raise ValueError("text must be a string of at least two characters")
+    model, info = cached_model(key_material(recipe, text), partial(
+        _train_recipe, recipe, text, progress), progress=progress, cache=cache)
+    return model, CharTokenizer.from_text(text), info
+
+
+def cached_model(material: dict[str, Any], build: Builder, *, progress: bool = False,
+                 cache: Path | None = None) -> tuple[GPT, ModelInfo]:
+    """The model that ``material`` (JSON-able, everything that determines its weights, with
+    its ``"model_config"``) describes: loaded from ``<cache>/models/<key>/`` if it is there
+    and intact, else made by ``build`` and stored there, under a lock."""
     start = time.perf_counter()
-    material = key_material(recipe, text)
     key = cache_key(material)
     models = (cache_dir() if cache is None else cache) / "models"
     folder = models / key[:20]
-    tokenizer = CharTokenizer.from_text(text)
     say: Callable[[str], None] = _stderr if progress else log.info
     # Loading builds a GPT (random initial weights) and training seeds torch: fork the
     # generator so that the caller's random state is the same whichever path is taken.
@@ -295,17 +318,17 @@ def load_or_build(recipe: Recipe, text: str, *, progress: bool = False,
                 raise FileNotFoundError(folder)
             model, manifest = _load(folder, key, material)
         except FileNotFoundError:
-            model, manifest = _build(folder, key, material, recipe, text, progress, say)
+            model, manifest = _store(folder, key, material, build(say, folder))
             built = True
         except CacheError as why:
             message = f"the cached model in {folder} is not used: {why}; rebuilding it"
             log.warning(message)
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
-            model, manifest = _build(folder, key, material, recipe, text, progress, say)
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
+            model, manifest = _store(folder, key, material, build(say, folder))
             built = True
     info = ModelInfo(key=key, path=folder, built=built,
                      load_seconds=time.perf_counter() - start, manifest=manifest)
-    return model, tokenizer, info
+    return model, info
 
 
 def book_model(*, progress: bool = False,
@@ -336,5 +359,23 @@ def draft_model(*, progress: bool = False) -> tuple[GPT, CharTokenizer, ModelInf
     return book_model(progress=progress, recipe=DRAFT_RECIPE)
 
 
+def _sft(seed: int) -> Callable[..., tuple[GPT, CharTokenizer, ModelInfo]]:
+    def sft(*, progress: bool = False) -> tuple[GPT, CharTokenizer, ModelInfo]:
+        from minigpt.assistant import sft_model  # downstream of this module: imported late
+
+        return sft_model(seed, progress=progress)
+    return sft
+
+
+def _dpo(*, progress: bool = False) -> tuple[GPT, CharTokenizer, ModelInfo]:
+    from minigpt.assistant import dpo_model
+
+    return dpo_model(progress=progress)
+
+
+#: Every cached model by name (`python -m minigpt pretrained --only NAME`); the assistants
+#: (the book model fine-tuned with three seeds, and preference-tuned) are made by
+#: `minigpt.assistant`.
 MODELS: dict[str, Callable[..., tuple[GPT, CharTokenizer, ModelInfo]]] = {
-    "book": book_model, "draft": draft_model, "modern": modern_model}
+    "book": book_model, "draft": draft_model, "modern": modern_model,
+    "sft-0": _sft(0), "sft-1": _sft(1), "sft-2": _sft(2), "dpo": _dpo}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -46,16 +47,36 @@ def encode_tasks(tasks: Sequence[Task], tokenizer: Tokenizer) -> ExampleSet:
 
 
 def finetune(model: GPT, tokenizer: CharTokenizer | BPETokenizer, train_tasks: Sequence[Task],
-             val_tasks: Sequence[Task], config: TrainConfig, **train_args: Any,
-             ) -> tuple[TrainResult, CharTokenizer | BPETokenizer]:
+             val_tasks: Sequence[Task], config: TrainConfig, *, replay: Sequence[str] = (),
+             **train_args: Any) -> tuple[TrainResult, CharTokenizer | BPETokenizer]:
     """Give a base model the chat tokens (`add_chat_tokens`) and train it on the tasks'
     answers with `minigpt.train.train` (``train_args`` go to it); the base model is not
     changed. Returns the run's result (``.model`` is the fine-tuned model) and the chat
-    tokenizer."""
+    tokenizer.
+
+    ``replay``: plain texts (e.g. `text_windows` of the pre-training text) mixed into the
+    training examples, every target of each counted: without them the model, trained on
+    answers alone, forgets how to continue text.
+    """
     chat_model, chat = add_chat_tokens(model, tokenizer)
-    result = train(chat_model, config, encode_tasks(train_tasks, chat),
-                   encode_tasks(val_tasks, chat), tokenizer=chat, **train_args)
+    data = encode_tasks(train_tasks, chat)
+    if replay:
+        plain = [chat.encode_ordinary(t) for t in replay]
+        data = ExampleSet([s.tolist() for s in data.sequences] + plain,
+                          [m.tolist() for m in data.masks] + [[True] * len(p) for p in plain],
+                          pad_id=data.pad_id)
+    result = train(chat_model, config, data, encode_tasks(val_tasks, chat), tokenizer=chat,
+                   **train_args)
     return result, chat
+
+
+def text_windows(text: str, n: int, length: int, *, seed: int = 0) -> list[str]:
+    """``n`` pieces of ``text`` of ``length`` characters at random places (``seed``)."""
+    if n < 1 or not 1 < length < len(text):
+        raise ValueError(f"need n >= 1 windows of 1 < length < {len(text)} characters, got "
+                         f"n={n}, length={length}")
+    rng = random.Random(seed)
+    return [text[i:i + length] for i in (rng.randrange(len(text) - length) for _ in range(n))]
 
 
 def compare(steps: int, *, n_train: int = 2000, n_test: int = 200, seed: int = 0,

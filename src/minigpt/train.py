@@ -52,6 +52,9 @@ from minigpt.parallel import (
 from minigpt.tokenizer import Tokenizer, tokenizer_from_dict
 
 METRICS_NAME = "metrics.json"
+#: A loss other than next-token cross-entropy (e.g. `minigpt.dpo`'s): the mean loss of one
+#: micro-batch, given the module to call and the batch its data set draws.
+LossFn = Callable[[nn.Module, tuple[Tensor, ...]], Tensor]
 SINGLE = DistContext()  # one process, on the CPU
 
 
@@ -423,7 +426,8 @@ def masked_lm_loss(logits: Tensor, targets: Tensor, mask: Tensor, *,
 @torch.no_grad()
 def estimate_loss(model: nn.Module, splits: dict[str, np.ndarray | ExampleSet], *,
                   batch_size: int, context_length: int, eval_steps: int, seed: int = 0,
-                  bf16: bool = False, ctx: DistContext = SINGLE) -> dict[str, float]:
+                  bf16: bool = False, ctx: DistContext = SINGLE,
+                  loss_fn: LossFn | None = None) -> dict[str, float]:
     """Mean loss over ``eval_steps`` batches of each split, in eval mode (no dropout).
 
     The batches come from a generator seeded with ``seed`` at every call, so successive
@@ -431,7 +435,8 @@ def estimate_loss(model: nn.Module, splits: dict[str, np.ndarray | ExampleSet], 
     model's, not the sampling's) and evaluating never disturbs the training batches.
     Several processes each score their ``batch_size`` rows of every global batch and the
     means are averaged (collective: every rank calls it); the result is the one process
-    with ``batch_size * world_size`` would get, to float rounding.
+    with ``batch_size * world_size`` would get, to float rounding. ``loss_fn`` replaces
+    `lm_loss` (as in `train_step`).
     """
     device = next(model.parameters()).device
     ctx = ctx if ctx.distributed else DistContext(device=device)  # batches where the model is
@@ -443,7 +448,8 @@ def estimate_loss(model: nn.Module, splits: dict[str, np.ndarray | ExampleSet], 
             for _ in range(eval_steps):
                 batch = rank_batch(data, batch_size, context_length, ctx, generator=gen)
                 with _autocast(device, bf16):
-                    total += lm_loss(model, *batch).float()
+                    loss = lm_loss(model, *batch) if loss_fn is None else loss_fn(model, batch)
+                    total += loss.float()
             out[name] = mean_over_ranks(total, ctx).item() / eval_steps
     return out
 
@@ -530,7 +536,7 @@ class StepResult:
 def train_step(
     model: nn.Module, optimizer: Optimizer,
     micro_batches: Sequence[tuple[Tensor, ...]], *, grad_clip: float,
-    bf16: bool = False, counted: Tensor | None = None,
+    bf16: bool = False, counted: Tensor | None = None, loss_fn: LossFn | None = None,
 ) -> StepResult:
     """One optimiser step on k micro-batches of (x, y), each (B, T), or of (x, y, mask).
 
@@ -542,10 +548,11 @@ def train_step(
     N counted targets. Under DDP the gradients are averaged over the ranks once, during
     the last micro-batch's backward pass; ``counted`` is then N averaged over the ranks,
     so that their average is the mean over every rank's counted targets. The gradient
-    is clipped to norm ``grad_clip`` (0: not clipped) before the update.
+    is clipped to norm ``grad_clip`` (0: not clipped) before the update. A ``loss_fn``
+    replaces `lm_loss`: its mean loss of each micro-batch counts 1/k.
     """
     k = len(micro_batches)
-    masked = len(micro_batches[0]) == 3
+    masked = loss_fn is None and len(micro_batches[0]) == 3
     if masked and counted is None:
         counted = sum((b[2].sum() for b in micro_batches), torch.zeros((), dtype=torch.long))
     loss_sum = torch.zeros((), device=micro_batches[0][0].device)
@@ -553,7 +560,7 @@ def train_step(
         with _sync_gradients(model, i == k - 1):
             with _autocast(batch[0].device, bf16):
                 if counted is None:
-                    loss = lm_loss(model, *batch)
+                    loss = lm_loss(model, *batch) if loss_fn is None else loss_fn(model, batch)
                     share = loss / k
                 else:
                     share = loss = lm_loss(model, *batch, reduction="sum") / counted
@@ -644,7 +651,8 @@ def train(model: GPT | GPTConfig, config: TrainConfig, train_data: np.ndarray | 
           val_data: np.ndarray | ExampleSet, *, tokenizer: Tokenizer | None = None,
           out_dir: Path | str | None = None, resume: bool = False, stop_at: int | None = None,
           progress: bool = True, log: Callable[[str], None] | None = None,
-          ctx: DistContext | None = None, compile: bool = False) -> TrainResult:
+          ctx: DistContext | None = None, compile: bool = False,
+          loss_fn: LossFn | None = None) -> TrainResult:
     """Train a GPT on token ids; return it with its `History` and metrics (`_metrics`).
 
     Args:
@@ -662,6 +670,7 @@ def train(model: GPT | GPTConfig, config: TrainConfig, train_data: np.ndarray | 
             one process on ``config.device``. Rank 0 logs and checkpoints.
         compile: run the training steps through `torch.compile` (the first step then
             takes seconds to compile; evaluation and checkpoints use the plain model).
+        loss_fn: replaces next-token cross-entropy in training and evaluation (`LossFn`).
 
     Torch's global generator (dropout) is seeded with ``config.seed`` plus the rank.
     """
@@ -678,21 +687,19 @@ def train(model: GPT | GPTConfig, config: TrainConfig, train_data: np.ndarray | 
         save_run, Path(out_dir) / CHECKPOINT_NAME, model, optimizer, config, history=history,
         batch_gen=batch_gen, tokenizer=tokenizer, ctx=ctx)
     saved_at, trainee = start if resume else -1, trainee_of(model, ctx, compile=compile).train()
-    wall0, bar = time.perf_counter(), tqdm(total=end, initial=start, unit="step",
-                                           disable=not (progress and ctx.is_main),
-                                           dynamic_ncols=True)
+    wall0, bar = time.perf_counter(), _bar(start, end, progress and ctx.is_main)
     for step in range(start, end + 1):
         # At multiples of eval_interval and at the end (a resumed run's first is done).
         if (step % config.eval_interval == 0 or step == config.max_steps) and not (
                 resume and step == start):
             _evaluate(model, config, train_data, val_data, history, step, bar,
-                      log if ctx.is_main else None, ctx)
+                      log if ctx.is_main else None, ctx, loss_fn)
             if save is not None and step > start:
                 save(step=step)
                 saved_at = step
         if step < end:
-            loss = _optimizer_step(step, trainee, optimizer, config, train_data,
-                                   batch_gen, history, ctx, model.config.context_length)
+            loss = _optimizer_step(step, trainee, optimizer, config, train_data, batch_gen,
+                                   history, ctx, model.config.context_length, loss_fn)
             bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
             bar.update(1)
     bar.close()
@@ -702,16 +709,21 @@ def train(model: GPT | GPTConfig, config: TrainConfig, train_data: np.ndarray | 
                                                  time.perf_counter() - wall0, ctx))
 
 
+def _bar(start: int, end: int, show: bool) -> Any:
+    return tqdm(total=end, initial=start, unit="step", disable=not show, dynamic_ncols=True)
+
+
 def _evaluate(model: GPT, config: TrainConfig, train_data: np.ndarray | ExampleSet,
               val_data: np.ndarray | ExampleSet,
               history: History, step: int, bar: Any, log: Callable[[str], None] | None,
-              ctx: DistContext) -> None:
+              ctx: DistContext, loss_fn: LossFn | None = None) -> None:
     # Each rank scores its share of global batches: the numbers do not depend on the number
     # of processes, and no GPU holds more than its training batch.
     losses = estimate_loss(model, {"train": train_data, "val": val_data},
                            batch_size=config.batch_size, seed=config.seed + 1,
                            context_length=model.config.context_length,
-                           eval_steps=config.eval_steps, bf16=config.bf16, ctx=ctx)
+                           eval_steps=config.eval_steps, bf16=config.bf16, ctx=ctx,
+                           loss_fn=loss_fn)
     if config.eval_full and not isinstance(val_data, ExampleSet):  # the same on every rank
         losses["val"] = full_loss(model, val_data, bf16=config.bf16)
     history.eval_step.append(step)
@@ -739,7 +751,8 @@ def restore(out_dir: Path, model: GPT, optimizer: Optimizer, config: TrainConfig
 def _optimizer_step(step: int, trainee: nn.Module, optimizer: Optimizer,
                     config: TrainConfig, data: np.ndarray | ExampleSet,
                     batch_gen: torch.Generator,
-                    history: History, ctx: DistContext, T: int) -> float:
+                    history: History, ctx: DistContext, T: int,
+                    loss_fn: LossFn | None = None) -> float:
     """Step ``step`` of the run: its learning rate, its batches, `train_step`, the history."""
     lr = schedule_lr(step, config)
     set_lr(optimizer, lr, config)
@@ -751,7 +764,7 @@ def _optimizer_step(step: int, trainee: nn.Module, optimizer: Optimizer,
         counted = mean_over_ranks(torch.stack([b[2].sum() for b in batches]).sum().double(),
                                   ctx)
     result = train_step(trainee, optimizer, batches, grad_clip=config.grad_clip,
-                        bf16=config.bf16, counted=counted)
+                        bf16=config.bf16, counted=counted, loss_fn=loss_fn)
     loss = result.loss
     if ctx.distributed:  # the loss of the whole global batch, as one process sees it
         loss = mean_over_ranks(torch.tensor(loss, dtype=torch.float64), ctx).item()

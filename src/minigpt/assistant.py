@@ -1,0 +1,154 @@
+"""The book's assistants: the book model fine-tuned to answer (SFT) and then preference-tuned
+(DPO), each trained once at set-up and cached like the book model (`minigpt.pretrained`).
+
+    model, tokenizer, info = sft_model(seed=1)   # one of SFT_SEEDS
+    model, tokenizer, info = dpo_model()         # DPO from sft_model(seed=0)
+
+The fine-tuned models differ only in the training seed (the order of their batches), so
+that a chapter can report exact match over several seeds with its spread; they all learn
+from the same tasks (`assistant_tasks`) and are scored on the same held-out ones. A model's
+manifest keeps what set-up measured: the run's metrics and, under ``"exact_match"``, its
+held-out exact match per task family (for DPO also the preference metrics and the KL to
+its reference, `minigpt.dpo.evaluate_dpo`). The cache key covers the base model's key, the
+task and training settings, the thread count and the PyTorch version.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from minigpt import pretrained
+from minigpt.data import split_text
+from minigpt.dpo import DPO_TRAINING, check_beta, evaluate_dpo, make_pairs, train_dpo
+from minigpt.model import GPT
+from minigpt.pretrained import Built, ModelInfo, cached_model
+from minigpt.sft import SFT_TRAINING, finetune, text_windows
+from minigpt.tasks import TaskSplit, exact_match, make_tasks
+from minigpt.tokenizer import CHAT_TOKENS, CharTokenizer, with_special_tokens
+from minigpt.train import TrainConfig
+
+#: Bump when the way the assistants are made changes in a way their key does not see.
+ASSISTANT_VERSION = 1
+#: The training seeds of the cached fine-tuned models.
+SFT_SEEDS = (0, 1, 2)
+
+
+@dataclass(frozen=True)
+class AssistantRecipe:
+    """How the assistants are made from the book model.
+
+    Attributes:
+        base: the recipe of the model they start from (the book model's).
+        n_train, n_test: tasks of each family for training and held out (`make_tasks`).
+        task_seed: the seed of the tasks and their split.
+        sft: fine-tuning's settings (its seed is replaced by each model's).
+        replay, replay_chars: windows of the base model's training text, and their length,
+            mixed into fine-tuning (`minigpt.sft.finetune`'s ``replay``): without them the
+            fine-tuned model forgets how to continue text (measured: 8.8 bits per
+            character on held-out text, against the base model's 2.7).
+        dpo: DPO's settings; beta its KL weight; pair_seed the seed of the near misses.
+        threads: torch threads while training (one: the same weights on every run).
+    """
+
+    base: pretrained.Recipe = pretrained.BOOK_RECIPE
+    n_train: int = 2000
+    n_test: int = 200
+    task_seed: int = 0
+    sft: TrainConfig = field(default_factory=lambda: TrainConfig(**(SFT_TRAINING | dict(
+        max_steps=600, lr=1e-3, min_lr=1e-4))))
+    replay: int = 500
+    replay_chars: int = 40
+    dpo: TrainConfig = field(default_factory=lambda: TrainConfig(**(DPO_TRAINING | dict(
+        max_steps=100, lr=3e-5, min_lr=3e-6))))
+    beta: float = 0.5
+    pair_seed: int = 0
+    threads: int = 1
+
+
+ASSISTANT_RECIPE = AssistantRecipe()
+
+
+def assistant_tasks(recipe: AssistantRecipe = ASSISTANT_RECIPE) -> TaskSplit:
+    """The tasks the assistants learn from (``.train``) and are scored on (``.test``)."""
+    return make_tasks(pretrained.corpus(), recipe.n_train, recipe.n_test,
+                      seed=recipe.task_seed)
+
+
+def _material(kind: str, parent: ModelInfo, model_config: dict[str, Any],
+              config: TrainConfig, recipe: AssistantRecipe, **more: Any) -> dict[str, Any]:
+    return {"assistant_version": ASSISTANT_VERSION, "kind": kind, "parent": parent.key,
+            "model_config": model_config, "train_config": config.model_dump(),
+            "tasks": [recipe.n_train, recipe.n_test, recipe.task_seed],
+            "replay": [recipe.replay, recipe.replay_chars],
+            "threads": recipe.threads, "torch": torch.__version__} | more
+
+
+def _say_training(progress: bool) -> dict[str, Any]:
+    # As for the book model: a bar only on a terminal, the evaluation lines either way.
+    return {"progress": progress and sys.stderr.isatty()}
+
+
+def sft_model(seed: int = 0, *, progress: bool = False, recipe: AssistantRecipe =
+              ASSISTANT_RECIPE) -> tuple[GPT, CharTokenizer, ModelInfo]:
+    """The book model fine-tuned on `assistant_tasks` with training seed ``seed``
+    (`minigpt.sft.finetune`), its chat tokenizer, and a `ModelInfo`; cached."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+    base, tokenizer, base_info = pretrained.book_model(progress=progress, recipe=recipe.base)
+    chat = with_special_tokens(tokenizer, CHAT_TOKENS)
+    config = recipe.sft.model_copy(update={"seed": seed})
+    shape = base.config.model_copy(update={"vocab_size": chat.vocab_size}).model_dump()
+
+    def build(say: Any, folder: Path) -> Built:
+        tasks = assistant_tasks(recipe)
+        say(f"fine-tuning the book model once (seed {seed}, {config.max_steps} steps); it "
+            f"is cached in {folder}")
+        seen = split_text(pretrained.corpus(), recipe.base.train_fraction)[0]
+        replay = text_windows(seen, recipe.replay, recipe.replay_chars, seed=seed) if (
+            recipe.replay) else []
+        with pretrained.threads(recipe.threads):
+            result, chat = finetune(base, tokenizer, tasks.train, tasks.test, config,
+                                    replay=replay, log=say if progress else None,
+                                    **_say_training(progress))
+            em = exact_match(result.model, chat, tasks.test)
+        return result.model, result.metrics | {"exact_match": em}, asdict(result.history)
+
+    model, info = cached_model(_material("sft", base_info, shape, config, recipe), build,
+                               progress=progress)
+    return model, chat, info  # type: ignore[return-value]
+
+
+def dpo_model(*, beta: float | None = None, progress: bool = False,
+              recipe: AssistantRecipe = ASSISTANT_RECIPE,
+              ) -> tuple[GPT, CharTokenizer, ModelInfo]:
+    """`sft_model` (seed 0) preference-tuned with DPO (`minigpt.dpo.train_dpo`) on pairs
+    of `assistant_tasks`' training tasks, its reference being that model, with KL weight
+    ``beta`` (default: the recipe's); cached, one model per beta."""
+    recipe = recipe if beta is None else replace(recipe, beta=check_beta(beta))
+    policy, chat, sft_info = sft_model(0, progress=progress, recipe=recipe)
+    config = recipe.dpo
+
+    def build(say: Any, folder: Path) -> Built:
+        tasks = assistant_tasks(recipe)
+        train_pairs = make_pairs(tasks.train, seed=recipe.pair_seed)
+        val_pairs = make_pairs(tasks.test, seed=recipe.pair_seed + 1)
+        say(f"preference-tuning the fine-tuned model once (beta {recipe.beta}, "
+            f"{config.max_steps} steps); it is cached in {folder}")
+        with pretrained.threads(recipe.threads):
+            result, reference = train_dpo(policy, chat, train_pairs, val_pairs, config,
+                                          beta=recipe.beta, log=say if progress else None,
+                                          **_say_training(progress))
+            measured = evaluate_dpo(result.model, reference, chat, val_pairs, recipe.beta)
+            em = exact_match(result.model, chat, tasks.test)
+        metrics = result.metrics | {"beta": recipe.beta, "exact_match": em} | measured
+        return result.model, metrics, asdict(result.history)
+
+    material = _material("dpo", sft_info, policy.config.model_dump(), config, recipe,
+                         beta=recipe.beta, pair_seed=recipe.pair_seed)
+    model, info = cached_model(material, build, progress=progress)
+    return model, chat, info

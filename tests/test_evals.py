@@ -1,0 +1,145 @@
+"""The benchmarks: multiple-choice items from held-out text (deterministic, true ending
+among length-matched distractors), scorers (a GPT's, the count models'), accuracy by
+summed and per-character likelihood, and the table."""
+
+from __future__ import annotations
+
+import math
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+
+from minigpt import GPT, GPTConfig
+from minigpt.chat import add_chat_tokens
+from minigpt.evals import (
+    CHANCE,
+    Choice,
+    CountModel,
+    benchmark_table,
+    format_table,
+    make_choices,
+    model_scorer,
+    multiple_choice,
+    speech_lines,
+)
+from minigpt.tasks import make_tasks
+from minigpt.tokenizer import CharTokenizer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+WORDS = ["fair", "moon", "night", "love", "sweet", "lord", "good", "king", "heart", "death"]
+
+
+def play(n_speeches: int = 120, seed: int = 0) -> str:
+    rng = np.random.default_rng(seed)
+    speeches = []
+    for k in range(n_speeches):
+        lines = [" ".join(rng.choice(WORDS, int(rng.integers(3, 6)))).capitalize()
+                 + rng.choice([",", ".", ";"]) for _ in range(int(rng.integers(2, 5)))]
+        speeches.append(f"SPEAKER{k % 3}:\n" + "\n".join(lines))
+    return "\n\n".join(speeches) + "\n"
+
+
+def test_speech_lines_skip_the_speaker() -> None:
+    assert speech_lines("A:\nx y\nz\n\nB:\nonly one\n\nC:\np\nq") == [["x y", "z"], ["p", "q"]]
+
+
+def test_items_are_deterministic_and_hold_the_true_next_line() -> None:
+    text = play()
+    items = make_choices(text, 60, seed=3)
+    assert items == make_choices(text, 60, seed=3) and items != make_choices(text, 60, seed=4)
+    speeches = speech_lines(text)
+    nexts = {(a, b) for s in speeches for a, b in zip(s, s[1:], strict=False)}
+    labels = set()
+    for item in items:
+        assert len(item.endings) == 4 and len(set(item.endings)) == 4
+        true = item.endings[item.label]
+        before, head = item.context.split("\n")
+        assert (before, head + true[:-1]) in nexts
+        assert len(head) == len(head + true[:-1]) // 2  # cut at the middle
+        for e in item.endings:
+            assert e.endswith("\n") and abs(len(e) - len(true)) <= 3
+        labels.add(item.label)
+    assert labels == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize("n, message", [(0, "n must be an int >= 1"),
+                                        (10**6, "asked for 1000000 items")])
+def test_bad_item_counts(n: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        make_choices(play(), n)
+
+
+def test_count_models_are_distributions() -> None:
+    text = play()
+    for order in (1, 2):
+        m = CountModel(text, order)
+        chars = sorted(set(text))
+        total = sum(math.exp(m.logprob("a", c)) for c in chars)
+        unseen = 1 / (m.context_counts["a" if order == 2 else ""] + m.vocab)
+        assert total + unseen == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="order must be 1"):
+        CountModel(text, 3)
+    with pytest.raises(ValueError, match="non-empty text"):
+        CountModel("", 1)
+
+
+@given(st.text(alphabet="ab\n", min_size=2, max_size=40))
+def test_bigram_scores_add_up(text: str) -> None:
+    m = CountModel("abba\nab\n", 2)
+    whole = m.score([(text[:1], text[1:])])[0]
+    assert whole == pytest.approx(sum(m.logprob(text[i - 1], text[i])
+                                      for i in range(1, len(text))))
+
+
+def test_accuracy_by_sum_and_per_character() -> None:
+    items = [Choice("c\n", ("a\n", "bbbbbbb\n", "c\n", "d\n"), 1)]
+    # scores: the long ending has the lowest sum but the highest mean per character
+    scores = {"a\n": -3.0, "bbbbbbb\n": -4.0, "c\n": -2.5, "d\n": -9.0}
+    result = multiple_choice(lambda xs: [scores[e] for _, e in xs], items)
+    assert result == {"summed": 0.0, "per_char": 1.0}
+    with pytest.raises(ValueError, match="at least one item"):
+        multiple_choice(lambda xs: [], [])
+
+
+def model() -> tuple[GPT, CharTokenizer]:
+    tok = CharTokenizer.from_text(play() + "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ:")
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=tok.vocab_size, context_length=64, d_model=16,
+                         n_heads=2, n_layers=1)).eval(), tok
+
+
+def test_model_scorer_is_the_sum_of_the_endings_log_probabilities() -> None:
+    gpt, tok = model()
+    context, ending = "Fair moon,\n", "Good king.\n"
+    ids = tok.encode_ordinary(context + ending)
+    logp = torch.log_softmax(gpt(torch.tensor([ids[:-1]])), -1)[0]
+    n = len(ending)
+    expected = sum(logp[i - 1, ids[i]].item() for i in range(len(ids) - n, len(ids)))
+    scores = model_scorer(gpt, tok, batch_size=1)([(context, ending), ("o" * 80, ending)])
+    assert scores[0] == pytest.approx(expected, abs=1e-4)
+    assert math.isfinite(scores[1])  # a long context is cut from the left
+    with pytest.raises(ValueError, match="an ending of 70 tokens leaves no room"):
+        model_scorer(gpt, tok)([(context, "o" * 70)])
+
+
+def test_table_rows() -> None:
+    text = play(400)
+    gpt, tok = model()
+    chat_gpt, chat = add_chat_tokens(gpt, tok)
+    tasks = make_tasks(text, 3, 3, seed=0, families=["first_word", "upper"])
+    rows = benchmark_table({"random": (gpt, tok), "chat": (chat_gpt, chat)}, text,
+                           n_items=20, bpc_chars=500, tasks=tasks.test, shots=tasks.train)
+    assert [r["model"] for r in rows] == ["chance", "unigram", "bigram", "random", "chat"]
+    assert rows[0]["mc_summed"] == CHANCE and rows[0]["bpc"] is None
+    assert rows[2]["bpc"] < rows[1]["bpc"] < math.log2(len(set(text)) + 1) + 1e-9
+    assert rows[3]["bpc"] == pytest.approx(math.log2(tok.vocab_size), rel=0.05)
+    for r in rows:
+        assert set(r) == {"model", "mc_summed", "mc_per_char", "bpc", "em_first_word",
+                          "em_upper"}
+    assert rows[1]["em_upper"] is None and rows[4]["em_upper"] is not None
+    table = format_table(rows)
+    assert table.splitlines()[0].split() == list(rows[0])
+    assert len(table.splitlines()) == 6 and "0.250" in table
