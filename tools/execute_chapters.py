@@ -36,14 +36,14 @@ import baseline  # noqa: E402  (tools/baseline.py: the chapter list and the hash
 ROOT = baseline.ROOT
 CONFIG = ROOT / "_config.yml"
 # Seconds each chapter takes alone on a 2-core machine (a chapter not listed goes last).
-MEASURED_SECONDS = {"assistant": 61, "modern_gpt": 47, "training": 40, "sampling": 22,
-                    "intro": 19, "implementation": 15, "tokenisation": 15,
+MEASURED_SECONDS = {"experiments": 67, "assistant": 61, "modern_gpt": 47, "training": 40,
+                    "sampling": 22, "intro": 19, "implementation": 15, "tokenisation": 15,
                     "attention_heatmaps": 14}
-# Chapters that keep both cores busy for part of their run (the modern chapter's sweeps run
-# two trainings at once; the training chapter scores a whole split on two threads). Two of
-# them side by side took longer than one after the other (110 s against 87 s), so at most
-# one of them runs at a time.
-TWO_CORES = {"modern_gpt", "training"}
+# Chapters that keep both cores busy for part of their run (the modern chapter's and the
+# experiments chapter's sweeps run two trainings at once; the training chapter scores a
+# whole split on two threads). Two of them side by side took longer than one after the
+# other (110 s against 87 s), so at most one of them runs at a time.
+TWO_CORES = {"experiments", "modern_gpt", "training"}
 
 
 def book_settings(config_path: Path = CONFIG) -> dict[str, Any]:

@@ -1,11 +1,9 @@
-"""Command line: `python -m minigpt {train,sample,assets,pretrained,chat,sft,dpo,eval} ...`.
+"""Command line: `python -m minigpt COMMAND ...` (chat, sft, dpo, eval: `minigpt.assistant_cli`).
 
-`train` has one flag per field of `GPTConfig` and `TrainConfig`, made from the fields
-(`minigpt.flags`); `--recipe modern` starts from the modern layout and training instead.
-The assistant's commands (chat, sft, dpo, eval) are `minigpt.assistant_cli`'s.
-A bad input is one line on stderr: exit 2 for a usage error, 1 for any other, 130 when
-interrupted. `train --nproc-per-node N` starts N processes with `torch.distributed.run`.
-"""
+`train` has a flag per field of `GPTConfig` and `TrainConfig` (`minigpt.flags`); `--recipe
+modern` starts from the modern layout and training; `--nproc-per-node N` starts N processes
+with `torch.distributed.run`. A bad input is one line on stderr: exit 2 for a usage error,
+1 for any other, 130 when interrupted."""
 
 from __future__ import annotations
 
@@ -91,8 +89,7 @@ class RunFlags(BaseModel):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m minigpt", epilog="`python -m minigpt COMMAND --help` lists a command's "
-        "options.", description="Train GPTs, sample from them, fine-tune, chat, evaluate, "
-        "and set up the book's files.")
+        "options.", description="Train GPTs, sample, fine-tune, chat, evaluate, set up the book.")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
     for name, handler, help_ in (
             ("train", _train, "train a GPT on a text file (defaults: nanoGPT's CPU recipe "
