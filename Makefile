@@ -64,15 +64,19 @@ assets: $(STAMP)
 	$(PY) -m minigpt assets
 
 # The small models the chapters share (the book model, its draft, the modern model, and the
-# assistants: the book model fine-tuned with three seeds and preference-tuned), trained once
-# and cached; later runs only verify them. The chapters load them. Each trains on one thread
-# (so its weights are the same on every run), so two processes train them side by side: the
-# modern model and two fine-tuned ones in one, the book model, its draft, the third
-# fine-tuned one and the DPO model in the other. Each model's cache has its own lock (a
-# fine-tuning waits for the book model if the other process is still training it).
+# assistants: the book model fine-tuned with three seeds and preference-tuned with three
+# values of beta), trained once and cached; later runs only verify them. The chapters load
+# them. Each trains on one thread (so its weights are the same on every run), so two
+# processes train them side by side: the
+# modern model, two fine-tuned ones and a DPO model in one, the book model, its draft, the
+# third fine-tuned one and two DPO models in the other. Each model's cache has its own lock (a
+# fine-tuning waits for the book model, a DPO run for `sft-0`, if the other process is
+# still training it).
 book-model: assets
-	$(PY) -m minigpt pretrained --only modern --only sft-1 --only sft-2 & modern=$$!; \
-	$(PY) -m minigpt pretrained --only book --only draft --only sft-0 --only dpo; book=$$?; \
+	$(PY) -m minigpt pretrained --only modern --only sft-1 --only sft-2 \
+		--only dpo-beta2 & modern=$$!; \
+	$(PY) -m minigpt pretrained --only book --only draft --only sft-0 --only dpo \
+		--only dpo-beta0.1; book=$$?; \
 	wait $$modern && test $$book = 0
 
 setup: $(STAMP) $(NPM_STAMP) assets book-model

@@ -367,15 +367,18 @@ def _sft(seed: int) -> Callable[..., tuple[GPT, CharTokenizer, ModelInfo]]:
     return sft
 
 
-def _dpo(*, progress: bool = False) -> tuple[GPT, CharTokenizer, ModelInfo]:
-    from minigpt.assistant import dpo_model
+def _dpo(beta: float | None) -> Callable[..., tuple[GPT, CharTokenizer, ModelInfo]]:
+    def dpo(*, progress: bool = False) -> tuple[GPT, CharTokenizer, ModelInfo]:
+        from minigpt.assistant import dpo_model  # downstream of this module: imported late
 
-    return dpo_model(progress=progress)
+        return dpo_model(beta=beta, progress=progress)
+    return dpo
 
 
 #: Every cached model by name (`python -m minigpt pretrained --only NAME`); the assistants
-#: (the book model fine-tuned with three seeds, and preference-tuned) are made by
-#: `minigpt.assistant`.
+#: (the book model fine-tuned with three seeds, and preference-tuned with the recipe's beta
+#: and, for the assistant chapter's sweep, two others) are made by `minigpt.assistant`.
 MODELS: dict[str, Callable[..., tuple[GPT, CharTokenizer, ModelInfo]]] = {
     "book": book_model, "draft": draft_model, "modern": modern_model,
-    "sft-0": _sft(0), "sft-1": _sft(1), "sft-2": _sft(2), "dpo": _dpo}
+    "sft-0": _sft(0), "sft-1": _sft(1), "sft-2": _sft(2),
+    "dpo": _dpo(None), "dpo-beta0.1": _dpo(0.1), "dpo-beta2": _dpo(2.0)}
