@@ -4,8 +4,11 @@ train()'s loop, the metrics and the KL estimator."""
 
 from __future__ import annotations
 
+import ast
 import math
 import random
+import textwrap
+from pathlib import Path
 
 import hypothesis.strategies as st
 import pytest
@@ -305,3 +308,43 @@ def test_bad_beta_is_refused(beta: object) -> None:
     pairs = make_pairs(tasks()[:2])
     with pytest.raises(ValueError, match="beta must be a positive number"):
         train_dpo(model, tok, pairs, pairs, config(2), beta=beta)  # type: ignore[arg-type]
+
+
+# ----- several processes ------------------------------------------------------------------
+
+DDP_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    sys.path.insert(0, sys.argv[2])
+    from test_dpo import DDP_STEPS, chat_model, config, make_pairs, tasks, train_dpo
+    from minigpt.parallel import init_distributed, shutdown
+    torch.set_num_threads(1)
+    ctx = init_distributed("cpu")
+    model, tok = chat_model()
+    pairs = make_pairs(tasks())
+    run = config(DDP_STEPS).model_copy(update=dict(batch_size=4))
+    result, _ = train_dpo(model, tok, pairs, pairs, run, beta=0.5, ctx=ctx, progress=False)
+    if ctx.rank == 0:
+        torch.save(result.model.state_dict(), sys.argv[1] + "/ddp.pt")
+        print(repr(result.history.loss))
+    shutdown(ctx)
+""")
+DDP_STEPS = 3
+
+
+def test_two_ranks_train_dpo_as_one_process_on_their_pairs_together(tmp_path) -> None:
+    # 2 ranks x 4 pairs a step: the same run as one process taking 8 pairs a step (the
+    # reference's log-probabilities travel with the pairs; the loss is a mean over pairs).
+    from test_parallel import _ranks
+
+    script = tmp_path / "ddp.py"
+    script.write_text(DDP_SCRIPT)
+    results = _ranks(2, [str(script), str(tmp_path), str(Path(__file__).parent)], tmp_path)
+    for r in results:
+        assert r.returncode == 0, r.stderr
+    ddp = torch.load(tmp_path / "ddp.pt", weights_only=True)
+    model, tok = chat_model()
+    one, _ = train_dpo(model, tok, make_pairs(tasks()), make_pairs(tasks()),
+                       config(DDP_STEPS), beta=0.5, progress=False)
+    assert ast.literal_eval(results[0].stdout) == pytest.approx(one.history.loss, rel=1e-5)
+    for name, value in one.model.state_dict().items():
+        torch.testing.assert_close(ddp[name], value, rtol=0, atol=1e-5)
