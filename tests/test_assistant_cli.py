@@ -5,6 +5,9 @@ longer than the context). Tiny models trained for a few steps on a small text.""
 from __future__ import annotations
 
 import io
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +19,7 @@ from test_assistant import play
 from minigpt import GPTConfig
 from minigpt.assistant_cli import chat_loop, fit_context
 from minigpt.chat import Turn
+from minigpt.checkpoint import load_checkpoint
 from minigpt.cli import main
 from minigpt.sample import load_model
 from minigpt.tokenizer import CharTokenizer
@@ -142,3 +146,19 @@ def test_clear_errors(argv: list[str], message: str, runs: dict[str, Path], tmp_
     assert main([a.format(**names) for a in argv]) == 1
     err = capsys.readouterr().err
     assert f"minigpt {argv[0]}: error:" in err and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", ["sft", "dpo"])
+def test_under_torchrun_two_processes_train_and_rank_zero_writes(
+        runs: dict[str, Path], tmp_path: Path, command: str) -> None:
+    start = runs["base"] if command == "sft" else runs["sft"]
+    out = tmp_path / command
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         "-m", "minigpt", command, "--checkpoint", str(start), "--text", str(runs["text"]),
+         "--out", str(out), *TINY], capture_output=True, text=True, timeout=300,
+        env=os.environ | {"OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("wrote ") == 1  # rank 0 alone
+    assert load_checkpoint(out)["world_size"] == 2
+    assert json.loads((out / "metrics.json").read_text())["exact_match"]

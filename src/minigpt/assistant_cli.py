@@ -5,9 +5,12 @@
     python -m minigpt chat --checkpoint runs/dpo         talk to it in the terminal
     python -m minigpt eval --checkpoint runs/dpo         the benchmark table
 
-``--model NAME`` takes a cached model (`minigpt.pretrained.MODELS`: book, sft-0, dpo, ...)
-instead of a checkpoint. Bad input raises ValueError with what was wrong, which the command
-line prints as one line.
+Started by torchrun (`torchrun --nproc-per-node 2 -m minigpt sft ...`), sft and dpo train
+data-parallel, as `minigpt.train.train` does: each process takes a batch of its own every
+step and the gradients are averaged over all their answer tokens (sft) or pairs (dpo); rank
+0 evaluates and writes. ``--model NAME`` takes a cached model (`minigpt.pretrained.MODELS`:
+book, sft-0, dpo, ...) instead of a checkpoint. Bad input raises ValueError with what was
+wrong, which the command line prints as one line.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -28,6 +32,7 @@ from minigpt.data import read_text, shakespeare_text
 from minigpt.dpo import DPO_TRAINING, check_beta, make_pairs, train_dpo
 from minigpt.evals import benchmark_table, format_table
 from minigpt.model import GPT
+from minigpt.parallel import DistContext, init_distributed, shutdown
 from minigpt.sample import load_model
 from minigpt.sft import SFT_TRAINING, finetune
 from minigpt.tasks import TaskSplit, exact_match, make_tasks
@@ -117,6 +122,18 @@ def _write(out: Path, metrics: dict[str, Any]) -> None:
     print(f"wrote {out / 'checkpoint.pt'} and {out / 'metrics.json'}")
 
 
+@contextmanager
+def _processes() -> Iterator[DistContext]:
+    """The process group when started by torchrun (`torchrun --nproc-per-node N -m minigpt
+    sft ...`: the ranks split each step's batch, rank 0 evaluates and writes), else one
+    process."""
+    ctx = init_distributed("cpu")
+    try:
+        yield ctx
+    finally:
+        shutdown(ctx)
+
+
 def _sft(args: argparse.Namespace, argv: list[str]) -> int:
     base, tokenizer, name = load_any(args, "book")
     if CHAT_TOKENS[0] in tokenizer.special_tokens:
@@ -124,10 +141,12 @@ def _sft(args: argparse.Namespace, argv: list[str]) -> int:
     tasks = _tasks(args)
     torch.set_num_threads(1)
     config = _config(SFT_TRAINING, args)
-    result, chat = finetune(base, tokenizer, tasks.train, tasks.test, config,  # type: ignore[arg-type]
-                            out_dir=args.out, progress=not args.quiet)
-    _write(args.out, result.metrics | {"exact_match": exact_match(result.model, chat,
-                                                                   tasks.test)})
+    with _processes() as ctx:
+        result, chat = finetune(base, tokenizer, tasks.train, tasks.test, config,  # type: ignore[arg-type]
+                                out_dir=args.out, progress=not args.quiet, ctx=ctx)
+        if ctx.is_main:
+            _write(args.out, result.metrics | {"exact_match": exact_match(
+                result.model, chat, tasks.test)})
     return 0
 
 
@@ -138,11 +157,13 @@ def _dpo(args: argparse.Namespace, argv: list[str]) -> int:
     tasks = _tasks(args)
     torch.set_num_threads(1)
     config = _config(DPO_TRAINING, args)
-    result, _ = train_dpo(policy, tokenizer, make_pairs(tasks.train, seed=0),
-                          make_pairs(tasks.test, seed=1), config, beta=beta, out_dir=args.out,
-                          progress=not args.quiet)
-    _write(args.out, result.metrics | {"beta": beta, "exact_match": exact_match(
-        result.model, tokenizer, tasks.test)})
+    with _processes() as ctx:
+        result, _ = train_dpo(policy, tokenizer, make_pairs(tasks.train, seed=0),
+                              make_pairs(tasks.test, seed=1), config, beta=beta,
+                              out_dir=args.out, progress=not args.quiet, ctx=ctx)
+        if ctx.is_main:
+            _write(args.out, result.metrics | {"beta": beta, "exact_match": exact_match(
+                result.model, tokenizer, tasks.test)})
     return 0
 
 
