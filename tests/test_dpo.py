@@ -8,7 +8,6 @@ import ast
 import math
 import random
 import textwrap
-from pathlib import Path
 
 import hypothesis.strategies as st
 import pytest
@@ -334,13 +333,9 @@ DDP_STEPS = 3
 def test_two_ranks_train_dpo_as_one_process_on_their_pairs_together(tmp_path) -> None:
     # 2 ranks x 4 pairs a step: the same run as one process taking 8 pairs a step (the
     # reference's log-probabilities travel with the pairs; the loss is a mean over pairs).
-    from test_parallel import _ranks
+    from test_parallel import run_script_on_ranks
 
-    script = tmp_path / "ddp.py"
-    script.write_text(DDP_SCRIPT)
-    results = _ranks(2, [str(script), str(tmp_path), str(Path(__file__).parent)], tmp_path)
-    for r in results:
-        assert r.returncode == 0, r.stderr
+    results = run_script_on_ranks(2, DDP_SCRIPT, tmp_path)
     ddp = torch.load(tmp_path / "ddp.pt", weights_only=True)
     model, tok = chat_model()
     one, _ = train_dpo(model, tok, make_pairs(tasks()), make_pairs(tasks()),

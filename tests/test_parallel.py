@@ -77,6 +77,17 @@ def _ranks(n: int, argv: list[str], tmp: Path) -> list[subprocess.CompletedProce
     return results
 
 
+def run_script_on_ranks(n: int, script: str, tmp: Path) -> list[subprocess.CompletedProcess[str]]:
+    """Write ``script`` to ``tmp`` and run it as ranks 0..n-1, with the arguments ``tmp`` and
+    the tests' folder (from which it may import test modules); every rank must succeed."""
+    path = tmp / "ranks_script.py"
+    path.write_text(script)
+    results = _ranks(n, [str(path), str(tmp), str(Path(__file__).parent)], tmp)
+    for r in results:
+        assert r.returncode == 0, r.stderr
+    return results
+
+
 def test_one_step_on_two_ranks_equals_one_process_on_the_whole_batch(tmp_path: Path) -> None:
     script = tmp_path / "step.py"
     script.write_text(STEP_SCRIPT)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from test_parallel import _ranks
+from test_parallel import run_script_on_ranks
 from torch import Tensor, nn
 
 from minigpt import GPT, GPTConfig, sft
@@ -248,11 +248,7 @@ DDP_SCRIPT = textwrap.dedent("""
 def test_two_ranks_take_the_mean_over_all_their_answer_tokens(tmp_path: Path) -> None:
     # 2 ranks x 2 micro-batches x 2 sequences, unequal answers: the step of one process on
     # the same 8 sequences at once (not the mean of the ranks' means).
-    script = tmp_path / "ddp.py"
-    script.write_text(DDP_SCRIPT)
-    results = _ranks(2, [str(script), str(tmp_path), str(Path(__file__).parent)], tmp_path)
-    for r in results:
-        assert r.returncode == 0, r.stderr
+    results = run_script_on_ranks(2, DDP_SCRIPT, tmp_path)
     ddp = torch.load(tmp_path / "ddp.pt", weights_only=True)
     one = train(tiny(), run_config(batch_size=8, lr=1e-3), examples(16), examples(4, 1),
                 progress=False)
