@@ -359,26 +359,24 @@ def draft_model(*, progress: bool = False) -> tuple[GPT, CharTokenizer, ModelInf
     return book_model(progress=progress, recipe=DRAFT_RECIPE)
 
 
-def _sft(seed: int) -> Callable[..., tuple[GPT, CharTokenizer, ModelInfo]]:
-    def sft(*, progress: bool = False) -> tuple[GPT, CharTokenizer, ModelInfo]:
-        from minigpt.assistant import sft_model  # downstream of this module: imported late
-
-        return sft_model(seed, progress=progress)
-    return sft
+#: What `MODELS` holds: a function that loads (or, once, trains) a cached model.
+Loader = Callable[..., tuple[GPT, CharTokenizer, ModelInfo]]
 
 
-def _dpo(beta: float | None) -> Callable[..., tuple[GPT, CharTokenizer, ModelInfo]]:
-    def dpo(*, progress: bool = False) -> tuple[GPT, CharTokenizer, ModelInfo]:
-        from minigpt.assistant import dpo_model  # downstream of this module: imported late
+def _assistant(maker: str, **settings: Any) -> Loader:
+    """`minigpt.assistant`'s ``maker`` (sft_model or dpo_model) with ``settings``."""
+    def make(*, progress: bool = False) -> tuple[GPT, CharTokenizer, ModelInfo]:
+        from minigpt import assistant  # downstream of this module: imported late
 
-        return dpo_model(beta=beta, progress=progress)
-    return dpo
+        return getattr(assistant, maker)(progress=progress, **settings)  # type: ignore[no-any-return]
+    return make
 
 
 #: Every cached model by name (`python -m minigpt pretrained --only NAME`); the assistants
 #: (the book model fine-tuned with three seeds, and preference-tuned with the recipe's beta
 #: and, for the assistant chapter's sweep, two others) are made by `minigpt.assistant`.
-MODELS: dict[str, Callable[..., tuple[GPT, CharTokenizer, ModelInfo]]] = {
+MODELS: dict[str, Loader] = {
     "book": book_model, "draft": draft_model, "modern": modern_model,
-    "sft-0": _sft(0), "sft-1": _sft(1), "sft-2": _sft(2),
-    "dpo": _dpo(None), "dpo-beta0.1": _dpo(0.1), "dpo-beta2": _dpo(2.0)}
+    **{f"sft-{seed}": _assistant("sft_model", seed=seed) for seed in (0, 1, 2)},
+    "dpo": _assistant("dpo_model"), "dpo-beta0.1": _assistant("dpo_model", beta=0.1),
+    "dpo-beta2": _assistant("dpo_model", beta=2.0)}
