@@ -3,6 +3,13 @@
 #   make test   set everything up, build the site, run every test
 # Both are idempotent: a second run reuses .venv and the verified assets.
 SHELL := /bin/bash
+# The CPU kernels every process below runs, so that set-up trains the same bits on every
+# x86-64 CPU and the chapters print the same numbers: minigpt.PINNED_CPU_KERNELS, which
+# importing minigpt also sets; set here too for processes that run a torch operation before
+# they import minigpt (a test module, a kernel). A value already in the environment wins.
+export ATEN_CPU_CAPABILITY ?= avx2
+export MKL_CBWR ?= AVX2
+export ONEDNN_MAX_CPU_ISA ?= AVX2
 # Another PyTorch than the pinned one, in a venv of its own (CI's oldest-torch job):
 #   make unit TORCH=2.9.1        # .venv-torch2.9.1: requirements.txt with torch==2.9.1
 TORCH ?=

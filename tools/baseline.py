@@ -8,6 +8,12 @@ the stored ones; `tests/test_notebooks_sync.py` fails as soon as a chapter's cod
 cells and its stored notebook's disagree, so the stored outputs cannot drift
 from the chapters.
 
+The stored outputs come with `tests/notebooks/models.json`, the sha256 of
+the weights of every model set-up trains: the chapters print what those
+models say. The CPU kernels are pinned (`minigpt.PINNED_CPU_KERNELS`), so set-up
+trains the same bits on every x86-64 CPU and a re-baseline on any of them
+changes nothing.
+
 After an intended change of a chapter (or of package code whose printed
 results a chapter shows), run
 
@@ -27,6 +33,7 @@ working directory is the chapter's folder.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -39,6 +46,10 @@ import nbformat
 import yaml
 from nbclient import NotebookClient
 
+# Importing minigpt pins the CPU kernels (minigpt.PINNED_CPU_KERNELS) in this process's
+# environment, which every kernel it starts inherits.
+from minigpt.pretrained import MODELS
+
 ROOT = Path(__file__).resolve().parents[1]
 TOC = ROOT / "_toc.yml"
 BOOK_DIR = ROOT / "book"
@@ -48,6 +59,9 @@ DEFAULT_TIMEOUT = 600  # seconds a cell may take, as in _config.yml
 # Outputs nbval does not compare without nbdime; dropped to keep the files small.
 DROPPED_MIME_PREFIXES = ("image/",)
 HASH_SEED = "0"  # the same in the build, in nbval and here (set iteration order)
+#: The sha256 of every cached model's weights, as set-up trained them: a re-baseline writes
+#: it, tests/test_pretrained.py checks the cache against it.
+MODEL_HASHES = STORED_DIR / "models.json"
 
 
 def toc_files(toc_path: Path = TOC) -> list[str]:
@@ -188,6 +202,19 @@ def baseline(chapter: Path, timeout: int = DEFAULT_TIMEOUT) -> Path:
     return target
 
 
+def model_hashes() -> dict[str, str]:
+    """name -> sha256 of the weights of every model in `minigpt.pretrained.MODELS`, loaded
+    (and verified) from the cache that set-up filled."""
+    return {name: load()[2].manifest["weights_sha256"] for name, load in MODELS.items()}
+
+
+def store_model_hashes() -> Path:
+    """Write `model_hashes()` to `MODEL_HASHES`."""
+    text = json.dumps(model_hashes(), indent=1, sort_keys=True) + "\n"
+    MODEL_HASHES.write_text(text, encoding="utf-8")
+    return MODEL_HASHES
+
+
 def orphans() -> list[Path]:
     """Stored notebooks whose chapter is no longer a notebook listed in `_toc.yml`."""
     expected = {stored_path(c) for c in notebook_chapters()}
@@ -219,6 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
 
     chapters = _select(args.chapters) if args.chapters else notebook_chapters()
+    print(store_model_hashes().relative_to(ROOT))
     for chapter in chapters:
         start = time.perf_counter()
         target = baseline(chapter, timeout=args.timeout)

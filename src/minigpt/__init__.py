@@ -4,9 +4,25 @@ Data flows one way through the modules: `tokenizer` -> `data` -> `nn` ->
 `model` -> `decoding` / `train`; `viz` draws what the chapters show.
 """
 
-from minigpt.config import GPTConfig, seed_all
-from minigpt.decoding import beam_search, generate
-from minigpt.model import GPT
+import os
 
-__all__ = ["GPT", "GPTConfig", "beam_search", "generate", "seed_all"]
+#: The CPU kernels every minigpt process runs, so that a seeded run trains bit-identical
+#: weights on every x86-64 CPU. PyTorch picks its vectorised kernels (ATen's), its matrix
+#: products (MKL's) and oneDNN's by the widest instructions the CPU has; AVX-512 kernels
+#: add up numbers in another order than AVX2 ones, and the trained weights then differ in
+#: their last bits, then in their samples. Pinned to AVX2, the widest set that nearly every
+#: x86-64 CPU of the last ten years has. Each is read once, at the first operation torch
+#: runs, so they are set here, before minigpt imports torch; a value already in the
+#: environment wins (set ATEN_CPU_CAPABILITY=avx512 for speed over reproducibility).
+#: Other architectures (arm64) ignore them.
+PINNED_CPU_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2",
+                      "ONEDNN_MAX_CPU_ISA": "AVX2"}
+for _name, _value in PINNED_CPU_KERNELS.items():
+    os.environ.setdefault(_name, _value)
+
+from minigpt.config import GPTConfig, seed_all  # noqa: E402  (after the kernels are pinned)
+from minigpt.decoding import beam_search, generate  # noqa: E402
+from minigpt.model import GPT  # noqa: E402
+
+__all__ = ["GPT", "PINNED_CPU_KERNELS", "GPTConfig", "beam_search", "generate", "seed_all"]
 __version__ = "0.1.0"

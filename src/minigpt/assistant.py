@@ -20,8 +20,6 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from minigpt import pretrained
 from minigpt.data import split_text
 from minigpt.dpo import DPO_TRAINING, check_beta, evaluate_dpo, make_pairs, train_dpo
@@ -85,7 +83,7 @@ def _material(kind: str, parent: ModelInfo, model_config: dict[str, Any],
             "model_config": model_config, "train_config": config.model_dump(),
             "tasks": [recipe.n_train, recipe.n_test, recipe.task_seed],
             "replay": [recipe.replay, recipe.replay_chars],
-            "threads": recipe.threads, "torch": torch.__version__} | more
+            "threads": recipe.threads, **pretrained.environment()} | more
 
 
 def _say_training(progress: bool) -> dict[str, Any]:

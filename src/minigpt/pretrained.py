@@ -18,12 +18,13 @@ The cached model is two files:
 
 The key is a hash of everything that determines the weights: the model configuration, the
 training settings (seed included), the corpus's sha256, the tokenizer, the split, the thread
-count, the PyTorch version and `RECIPE_VERSION`. Later calls load the cache in seconds, with
-`torch.load(weights_only=True)`, after checking it: a manifest that is unreadable or describes
-another recipe, a weights file whose hash differs from the manifest's or that does not load
-into the model, is reported (a `RuntimeWarning` and a log line) and the model is rebuilt;
-a damaged cache is never used. Files are written atomically (temporary file, then rename),
-the manifest last, so an interrupted build leaves no cache that looks complete.
+count, the PyTorch version, the CPU kernels it runs and `RECIPE_VERSION`. Later calls load
+the cache in seconds, with `torch.load(weights_only=True)`, after checking it: a manifest
+that is unreadable or describes another recipe, a weights file whose hash differs from the
+manifest's or that does not load into the model, is reported (a `RuntimeWarning` and a log
+line) and the model is rebuilt; a damaged cache is never used. Files are written atomically
+(temporary file, then rename), the manifest last, so an interrupted build leaves no cache
+that looks complete.
 """
 
 from __future__ import annotations
@@ -165,8 +166,16 @@ def key_material(recipe: Recipe, text: str) -> dict[str, Any]:
         "threads": recipe.threads,
         "corpus_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
         "tokenizer": tokenizer.to_dict(),
-        "torch": torch.__version__,
+        **environment(),
     }
+
+
+def environment() -> dict[str, str]:
+    """What of the software and CPU determines the weights besides the recipe: the PyTorch
+    version and the kernels it runs (`minigpt.PINNED_CPU_KERNELS`; a process whose first
+    torch operation ran before minigpt was imported runs the CPU's widest kernels)."""
+    return {"torch": torch.__version__,
+            "cpu_kernels": torch.backends.cpu.get_cpu_capability()}
 
 
 def cache_key(material: dict[str, Any]) -> str:

@@ -1,0 +1,74 @@
+"""Seeded runs train the same bits on every x86-64 CPU: the kernels are pinned.
+
+PyTorch picks its CPU kernels by the widest instructions the CPU has, and AVX-512 kernels
+sum in another order than AVX2 ones. Importing minigpt pins them (`PINNED_CPU_KERNELS`), the
+Makefile exports the same values, and the models set-up trains are compared with the sha256
+stored beside the chapters' outputs (`tests/notebooks/models.json`, written by
+`make baseline`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import ROOT
+
+import minigpt
+from minigpt import pretrained
+
+KERNEL_VARIABLES = sorted(minigpt.PINNED_CPU_KERNELS)
+LINUX_X86_64 = sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64")
+
+
+def _capability(code: str, **env: str) -> str:
+    """The ATen kernel set a fresh Python runs after ``code``, with none of the pinning
+    variables in its environment but ``env``."""
+    clean = {k: v for k, v in os.environ.items() if k not in KERNEL_VARIABLES} | env
+    script = f"{code}\nimport torch\nprint(torch.backends.cpu.get_cpu_capability())"
+    return subprocess.run([sys.executable, "-c", script], env=clean, check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+
+def test_the_makefile_exports_the_kernels_the_package_pins() -> None:
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    exported = dict(re.findall(r"^export (\w+) \?= (\S+)$", makefile, flags=re.MULTILINE))
+    assert exported == minigpt.PINNED_CPU_KERNELS
+
+
+def test_importing_minigpt_pins_the_kernels_before_torch_runs_anything() -> None:
+    native = _capability("")
+    pinned = _capability("import minigpt")
+    # At most AVX2 where the CPU has more; a CPU with less (or another architecture) keeps
+    # what it has.
+    assert pinned == ("AVX2" if native in ("AVX2", "AVX512") else native)
+    # Read at the first operation, not at `import torch`: importing torch first is fine.
+    assert _capability("import torch\nimport minigpt") == pinned
+
+
+def test_a_kernel_setting_in_the_environment_wins() -> None:
+    assert _capability("import minigpt", ATEN_CPU_CAPABILITY="default") == "DEFAULT"
+
+
+def test_the_cache_key_records_the_kernels() -> None:
+    material = pretrained.key_material(pretrained.DRAFT_RECIPE, "to be or not to be")
+    assert material["cpu_kernels"] == torch.backends.cpu.get_cpu_capability()
+    assert material["torch"] == torch.__version__
+
+
+@pytest.mark.skipif(not LINUX_X86_64, reason="the stored sha256 are those of PyTorch's Linux "
+                    "x86-64 build; elsewhere the weights agree only to float precision")
+def test_set_up_trained_the_stored_models_bit_for_bit() -> None:
+    # Every model the chapters load (trained by set-up, loaded and verified here) has the
+    # weights whose sha256 the stored outputs were made with, whichever x86-64 CPU this is.
+    stored = json.loads((ROOT / "tests/notebooks/models.json").read_text(encoding="utf-8"))
+    assert sorted(stored) == sorted(pretrained.MODELS)
+    trained = {name: load()[2].manifest["weights_sha256"]
+               for name, load in pretrained.MODELS.items()}
+    assert trained == stored
