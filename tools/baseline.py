@@ -193,13 +193,7 @@ def stored_notebook(executed: nbformat.NotebookNode, chapter: Path) -> nbformat.
 
 def baseline(chapter: Path, timeout: int = DEFAULT_TIMEOUT) -> Path:
     """Execute one chapter and write its stored notebook; returns the path written."""
-    executed = execute(read_chapter(chapter), cwd=chapter.parent, timeout=timeout)
-    target = stored_path(chapter)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(".ipynb.tmp")
-    nbformat.write(stored_notebook(executed, chapter), tmp)
-    tmp.replace(target)  # never leave a half-written notebook behind
-    return target
+    return store(execute(read_chapter(chapter), cwd=chapter.parent, timeout=timeout), chapter)
 
 
 def model_hashes() -> dict[str, str]:
@@ -213,6 +207,31 @@ def store_model_hashes() -> Path:
     text = json.dumps(model_hashes(), indent=1, sort_keys=True) + "\n"
     MODEL_HASHES.write_text(text, encoding="utf-8")
     return MODEL_HASHES
+
+
+def built_notebook(chapter: Path) -> nbformat.NotebookNode:
+    """The chapter as the last `make book` executed it, from the build's execution cache."""
+    from jupyter_cache import get_cache
+
+    cache_path = ROOT / "_build" / ".jupyter_cache"
+    if not (cache_path / "global.db").is_file():
+        raise SystemExit(f"baseline: {cache_path} is missing: build the book first (make book)")
+    cache = get_cache(cache_path)
+    records = [r for r in cache.list_cache_records() if Path(r.uri) == chapter]
+    if not records:
+        raise SystemExit(f"baseline: the build executed no {chapter.relative_to(ROOT)}: "
+                         "build the book again (make book)")
+    return cache.get_cache_bundle(max(records, key=lambda r: r.created).pk).nb
+
+
+def store(executed: nbformat.NotebookNode, chapter: Path) -> Path:
+    """Write the stored notebook of an executed chapter; returns the path written."""
+    target = stored_path(chapter)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(".ipynb.tmp")
+    nbformat.write(stored_notebook(executed, chapter), tmp)
+    tmp.replace(target)  # never leave a half-written notebook behind
+    return target
 
 
 def orphans() -> list[Path]:
@@ -241,6 +260,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--timeout", type=int, default=DEFAULT_TIMEOUT, help="seconds a cell may take"
     )
+    parser.add_argument(
+        "--from-build", action="store_true",
+        help="store what the last `make book` executed instead of executing the chapters "
+             "again (the same kernel and settings; a chapter changed since is refused)")
     args = parser.parse_args(argv)
     if args.timeout <= 0:
         parser.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
@@ -249,7 +272,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(store_model_hashes().relative_to(ROOT))
     for chapter in chapters:
         start = time.perf_counter()
-        target = baseline(chapter, timeout=args.timeout)
+        if args.from_build:
+            executed = built_notebook(chapter)
+            if code_cells(executed) != code_cells(read_chapter(chapter)):
+                raise SystemExit(f"baseline: {chapter.relative_to(ROOT)} changed since the "
+                                 "build executed it: build the book again (make book)")
+            target = store(executed, chapter)
+        else:
+            target = baseline(chapter, timeout=args.timeout)
         print(f"{target.relative_to(ROOT)}  ({time.perf_counter() - start:.1f} s)")
     if not args.chapters:
         for stale in orphans():
