@@ -1,9 +1,9 @@
 """Print the whole book to one PDF: `make pdf` writes _build/pdf/minigpt-book.pdf.
 
 The route reuses what the site already needs, not a TeX installation: Sphinx's
-single-page HTML builder (`jupyter-book build --builder singlehtml`, whose
-chapters come from the execution cache that the site's build has just filled,
-so nothing runs twice) is opened in the headless Chromium of the browser test
+single-page HTML builder (`jupyter-book build --builder singlehtml`, which
+starts from the Sphinx environment the site's build has just filled, so
+nothing is read or run twice) is opened in the headless Chromium of the browser test
 and printed with the DevTools command Page.printToPDF once the project's MathJax
 has typeset every formula and every figure has loaded. The PDF thus shows
 exactly what the site shows: the chapters with their outputs and figures,
@@ -70,13 +70,19 @@ PLACEHOLDER = "000"  # as wide as any page number the contents will hold
 def build_single_page(root: Path, work: Path) -> Path:
     """Build the book with Sphinx's singlehtml builder into work/; return the page.
 
-    A fresh Sphinx environment (--all), so every chapter is read again; each chapter's
-    outputs come from the execution cache (_config.yml's execute.cache, relative to the
-    book), which `make book` has just filled, unless the chapter's code changed since.
+    The site's build has just read every chapter into its Sphinx environment
+    (root/_build/.doctrees); a copy of it starts this build, so Sphinx reads again only
+    what changed since (nothing, after `make book`) and the builder only writes the page.
+    Without a site build every chapter is read; its outputs come from the execution cache
+    (_config.yml's execute.cache), which `make book` fills.
     """
+    site_doctrees, doctrees = root / "_build" / ".doctrees", work / "_build" / ".doctrees"
+    shutil.rmtree(doctrees, ignore_errors=True)
+    if site_doctrees.is_dir():
+        shutil.copytree(site_doctrees, doctrees)
     jupyter_book = Path(sys.executable).parent / "jupyter-book"
     env = {**os.environ, "PYTHONHASHSEED": "0"}
-    subprocess.run([str(jupyter_book), "build", "--all", "--builder", "singlehtml",
+    subprocess.run([str(jupyter_book), "build", "--builder", "singlehtml",
                     "--warningiserror", "--keep-going", "--path-output", str(work), str(root)],
                    check=True, cwd=root, env=env)
     return single_page(root, work)
