@@ -28,9 +28,11 @@ from minigpt.nn import (
 )
 from minigpt.speculative import speculative_generate
 from minigpt.train import (
+    Muon,
     MuonAdamW,
     TrainConfig,
     muon_and_adamw_parameters,
+    newton_schulz,
     schedule_lr,
     set_lr,
     train,
@@ -329,6 +331,37 @@ def test_muon_update_is_orthogonalised_momentum() -> None:
     polar = u @ vh
     cosine = float((update * polar).sum() / (update.norm() * polar.norm()))
     assert cosine > 0.95
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_the_written_out_muon_is_torchs_with_the_float32_iteration(nesterov: bool) -> None:
+    # torch.optim.Muon, its bfloat16 iteration swapped for `newton_schulz`, takes exactly
+    # the steps the package's Muon takes: the same weights, bit for bit, and the same
+    # momentum, over steps of changing gradients and rates, on tall, wide and square
+    # matrices.
+    from unittest import mock
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(24, 8), (8, 24), (16, 16)]
+    ours = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    mine = Muon(ours, lr=0.02, momentum=0.95, nesterov=nesterov)
+    torchs = torch.optim.Muon(theirs, lr=0.02, weight_decay=0.0, momentum=0.95,
+                              nesterov=nesterov, adjust_lr_fn="original")
+    for step in range(4):
+        for a, b in zip(ours, theirs, strict=True):
+            a.grad = torch.randn(a.shape, generator=gen)
+            b.grad = a.grad.clone()
+        for group in (*mine.param_groups, *torchs.param_groups):
+            group["lr"] = 0.02 / (step + 1)
+        mine.step()
+        with mock.patch.object(torch.optim._muon, "_zeropower_via_newtonschulz",
+                               newton_schulz):
+            torchs.step()
+        for a, b in zip(ours, theirs, strict=True):
+            assert torch.equal(a, b)
+            assert torch.equal(mine.state[a]["momentum_buffer"],
+                               torchs.state[b]["momentum_buffer"])
 
 
 def test_trapezoid_schedule() -> None:
