@@ -121,22 +121,15 @@ book: setup
 pdf: book system-deps
 	$(PY) tools/make_pdf.py
 
-# The lint first (a lint failure fails at once), then every test. The package's tests
-# (hypothesis searching thoroughly) need no built book: they run on one process beside the
-# build of the site and the PDF, whose Sphinx and printing steps keep only one core busy;
-# their report follows the build's, in their log _build/unit-tests.log. Then the tests of
-# what was built: the chapters' outputs compared with the stored ones
-# (tests/test_chapter_outputs.py; each chapter is executed once, by the build), headless
-# Chromium over the site, and the PDF, on TEST_JOBS processes (one per core here), each
-# test file on one of them (--dist loadfile: a file's pages and PDF are read once).
+# The lint first (a lint failure fails at once), then every test: the package's (hypothesis
+# searching thoroughly), the chapters' outputs of the build just made compared with the
+# stored ones (tests/test_chapter_outputs.py; each chapter is executed once, by the build),
+# headless Chromium over the built site, and the PDF. pytest-xdist runs them on
+# TEST_JOBS processes (one per core here), each test file on one of them (--dist loadfile:
+# a file's pages and PDF are read once, not once in each process).
 TEST_JOBS ?= 2
-UNIT_LOG := _build/unit-tests.log
-test: lint setup system-deps
-	mkdir -p _build
-	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest -m "not book" > $(UNIT_LOG) 2>&1 & unit=$$!; \
-	$(MAKE) --no-print-directory pdf; built=$$?; \
-	wait $$unit; passed=$$?; cat $(UNIT_LOG); test $$built = 0 -a $$passed = 0
-	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest -m book -n $(TEST_JOBS) --dist loadfile
+test: lint setup system-deps book pdf
+	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest -n $(TEST_JOBS) --dist loadfile
 
 # The quick loop while editing the package: every test that needs no built book (< 1 min).
 unit: setup
