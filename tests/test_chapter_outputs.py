@@ -29,7 +29,7 @@ from nbval.plugin import coalesce_streams, get_sanitize_patterns
 
 baseline = load_baseline_tool()
 CHAPTERS = baseline.notebook_chapters()
-CACHE = ROOT / "_build" / ".jupyter_cache"
+CACHE = baseline.BUILD_CACHE
 SANITIZE = get_sanitize_patterns((ROOT / "tests/notebooks/sanitize.cfg").read_text())
 SKIPPED_KEYS = {"metadata", "traceback", "prompt_number", "output_type", "name",
                 "execution_count", "transient"}
@@ -68,22 +68,10 @@ def _newest_input(chapter: Path) -> tuple[float, Path]:
     return max((p.stat().st_mtime, p) for p in inputs)
 
 
-def _built(chapter: Path) -> tuple[nbformat.NotebookNode, float]:
-    """The build's executed notebook of ``chapter`` and when it was executed."""
-    from jupyter_cache import get_cache
-
-    assert (CACHE / "global.db").is_file(), f"{CACHE} is missing: build the book (make book)"
-    cache = get_cache(CACHE)
-    records = [r for r in cache.list_cache_records() if Path(r.uri) == chapter]
-    assert records, f"the build executed no {chapter.relative_to(ROOT)}: build again (make book)"
-    record = max(records, key=lambda r: r.created)
-    return cache.get_cache_bundle(record.pk).nb, record.created.timestamp()
-
-
 @pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda p: p.stem)
 def test_built_outputs_equal_the_stored_ones(chapter: Path) -> None:
     stored_path = baseline.stored_path(chapter)
-    notebook, executed = _built(chapter)
+    notebook, executed = baseline.built_notebook(chapter)
     newest, what = _newest_input(chapter)
     assert executed >= newest, (
         f"{chapter.relative_to(ROOT)} was executed before {what.relative_to(ROOT)} changed: "

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 import torch
-from helpers import ROOT
+from helpers import ROOT, load_baseline_tool
 
 import minigpt
 from minigpt import pretrained
@@ -69,6 +69,4 @@ def test_set_up_trained_the_stored_models_bit_for_bit() -> None:
     # weights whose sha256 the stored outputs were made with, whichever x86-64 CPU this is.
     stored = json.loads((ROOT / "tests/notebooks/models.json").read_text(encoding="utf-8"))
     assert sorted(stored) == sorted(pretrained.MODELS)
-    trained = {name: load()[2].manifest["weights_sha256"]
-               for name, load in pretrained.MODELS.items()}
-    assert trained == stored
+    assert load_baseline_tool().model_hashes() == stored

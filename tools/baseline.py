@@ -60,8 +60,10 @@ DEFAULT_TIMEOUT = 600  # seconds a cell may take, as in _config.yml
 DROPPED_MIME_PREFIXES = ("image/",)
 HASH_SEED = "0"  # the same in the build, in nbval and here (set iteration order)
 #: The sha256 of every cached model's weights, as set-up trained them: a re-baseline writes
-#: it, tests/test_pretrained.py checks the cache against it.
+#: it, tests/test_reproducible.py checks the cache against it.
 MODEL_HASHES = STORED_DIR / "models.json"
+#: The execution cache the site's build fills (_config.yml's execute.cache).
+BUILD_CACHE = ROOT / "_build" / ".jupyter_cache"
 
 
 def toc_files(toc_path: Path = TOC) -> list[str]:
@@ -209,19 +211,20 @@ def store_model_hashes() -> Path:
     return MODEL_HASHES
 
 
-def built_notebook(chapter: Path) -> nbformat.NotebookNode:
-    """The chapter as the last `make book` executed it, from the build's execution cache."""
+def built_notebook(chapter: Path) -> tuple[nbformat.NotebookNode, float]:
+    """The chapter as the last `make book` executed it, from the build's execution cache,
+    and when it was executed (a timestamp); `LookupError` says what to build."""
     from jupyter_cache import get_cache
 
-    cache_path = ROOT / "_build" / ".jupyter_cache"
-    if not (cache_path / "global.db").is_file():
-        raise SystemExit(f"baseline: {cache_path} is missing: build the book first (make book)")
-    cache = get_cache(cache_path)
+    if not (BUILD_CACHE / "global.db").is_file():
+        raise LookupError(f"{BUILD_CACHE} is missing: build the book first (make book)")
+    cache = get_cache(BUILD_CACHE)
     records = [r for r in cache.list_cache_records() if Path(r.uri) == chapter]
     if not records:
-        raise SystemExit(f"baseline: the build executed no {chapter.relative_to(ROOT)}: "
-                         "build the book again (make book)")
-    return cache.get_cache_bundle(max(records, key=lambda r: r.created).pk).nb
+        raise LookupError(f"the build executed no {chapter.relative_to(ROOT)}: build the "
+                          "book again (make book)")
+    record = max(records, key=lambda r: r.created)
+    return cache.get_cache_bundle(record.pk).nb, record.created.timestamp()
 
 
 def store(executed: nbformat.NotebookNode, chapter: Path) -> Path:
@@ -273,7 +276,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for chapter in chapters:
         start = time.perf_counter()
         if args.from_build:
-            executed = built_notebook(chapter)
+            try:
+                executed = built_notebook(chapter)[0]
+            except LookupError as why:
+                raise SystemExit(f"baseline: {why}") from None
             if code_cells(executed) != code_cells(read_chapter(chapter)):
                 raise SystemExit(f"baseline: {chapter.relative_to(ROOT)} changed since the "
                                  "build executed it: build the book again (make book)")
