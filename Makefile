@@ -126,10 +126,15 @@ pdf: book system-deps
 # stored ones (tests/test_chapter_outputs.py; each chapter is executed once, by the build),
 # headless Chromium over the built site, and the PDF. pytest-xdist runs them on
 # TEST_JOBS processes (one per core here), each test file on one of them (--dist loadfile:
-# a file's pages and PDF are read once, not once in each process).
+# a file's pages are read once, not once in each process). The PDF is printed (as `make pdf`
+# does) while the tests that do not read it run, since printing keeps only about one core
+# busy; the tests marked `pdf` follow once it is written.
 TEST_JOBS ?= 2
-test: lint setup system-deps book pdf
-	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest -n $(TEST_JOBS) --dist loadfile
+test: lint setup system-deps book
+	$(PY) tools/make_pdf.py > _build/pdf.log 2>&1 & pdf=$$!; \
+	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest -n $(TEST_JOBS) --dist loadfile -m "not pdf"; \
+	tests=$$?; wait $$pdf; printed=$$?; cat _build/pdf.log; test $$printed = 0 || exit 1; \
+	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest -m pdf && test $$tests = 0
 
 # The quick loop while editing the package: every test that needs no built book (< 1 min).
 unit: setup

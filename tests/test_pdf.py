@@ -28,7 +28,7 @@ PDF = BOOK_ROOT / "_build" / "pdf" / "minigpt-book.pdf"
 SINGLE_PAGE = BOOK_ROOT / "_build" / "pdf" / "_build" / "singlehtml" / "book.html"
 RAW_TEX = ("$$", "\\(", "\\)", "\\[", "\\]", "\\begin{")
 
-pytestmark = pytest.mark.book  # reads the PDF that `make pdf` wrote
+pytestmark = [pytest.mark.book, pytest.mark.pdf]  # reads the PDF that `make pdf` wrote
 
 
 @functools.cache

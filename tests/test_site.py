@@ -261,6 +261,7 @@ def _config() -> dict[str, Any]:
     return config
 
 
+@pytest.mark.pdf  # the PDF must be in the site
 @pytest.mark.parametrize("entry", PAGES)
 def test_download_menu_offers_the_source_and_the_book_pdf(entry: str) -> None:
     _require_site()
