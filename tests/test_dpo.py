@@ -124,6 +124,9 @@ def test_bad_pairs_are_refused() -> None:
         encode_pairs([], tok, model)
     with pytest.raises(ValueError, match=r"reference log-probabilities \(N, 2\)"):
         PreferenceSet([[1, 2], [1, 3]], [[False, True]] * 2, torch.zeros(2, 2))
+    for both_or_neither in ({}, {"reference": torch.zeros(1, 2), "reference_model": model}):
+        with pytest.raises(ValueError, match="either the reference's log-probabilities or"):
+            PreferenceSet([[1, 2], [1, 3]], [[False, True]] * 2, **both_or_neither)
 
 
 def test_a_pair_too_long_for_the_context_is_refused() -> None:
@@ -145,6 +148,21 @@ def test_batches_hold_whole_pairs_with_the_reference_logprobs() -> None:
     assert chosen == pairs[3].chosen + END_OF_TURN
     assert rejected == pairs[3].rejected + END_OF_TURN
     torch.testing.assert_close(ref, pair_logprobs(model, data)[[3]])
+
+
+def test_the_reference_scores_a_pair_once_and_only_when_it_is_read() -> None:
+    model, tok = chat_model()
+    data = encode_pairs(make_pairs(tasks()), tok, model)
+    calls = []
+    model.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
+    first = data.pairs([4, 1, 4])[3]
+    assert calls == [4]  # pairs 4 and 1 (chosen and rejected), scored in one pass
+    torch.testing.assert_close(first, data.pairs([1, 4, 4])[3][[1, 0, 2]])
+    assert calls == [4]  # kept, not scored again
+    everything = data.reference_logprobs()
+    assert len(calls) > 1 and everything.shape == (data.num_pairs, 2)
+    torch.testing.assert_close(everything, pair_logprobs(model, data), atol=1e-5, rtol=0)
+    torch.testing.assert_close(everything[[4, 1]], first[:2])
 
 
 # ----- the loss --------------------------------------------------------------------------

@@ -12,9 +12,11 @@ chat mask of `minigpt.chat.encode_conversation`):
     loss = -log sigmoid(beta * ((log pi(y_w|x) - log pi_ref(y_w|x))
                                 - (log pi(y_l|x) - log pi_ref(y_l|x))))
 
-(`dpo_loss`). The reference is frozen, so its log-probabilities are computed once, when
-the pairs are encoded (`encode_pairs`), and ride along in every batch: the reference gets
-no gradient and costs no forward pass per step. Training is `minigpt.train.train`'s loop
+(`dpo_loss`). The reference is frozen, so its log-probabilities of a pair are computed
+once, the first time the pair is drawn (`PreferenceSet.reference_logprobs`), and ride along
+in every batch: the reference gets no gradient and costs no forward pass for a pair seen
+before. A run of S steps of B pairs reads at most S * B of the pairs, often far fewer than
+the set holds, so none is scored before it is needed. Training is `minigpt.train.train`'s loop
 (its optimiser groups, schedule, clipping, checkpoints, torchrun) with `preference_loss` as
 its loss (`train_dpo`). `preference_metrics` measures preference accuracy and the implied
 reward margin on held-out pairs, `sampled_kl` the KL of the policy to the reference on
@@ -24,6 +26,7 @@ held-out prompts, and `beta_sweep` all three for several beta.
 from __future__ import annotations
 
 import copy
+import math
 import random
 import time
 from collections.abc import Sequence
@@ -125,26 +128,52 @@ class PreferenceSet(ExampleSet):
     answers. `get_batch` draws B pairs: x, y, mask (B, 2, L) (chosen at [:, 0], rejected
     at [:, 1]) and the reference's sequence log-probabilities (B, 2); rows are pairs, so
     `minigpt.parallel.rank_batch` gives each process whole pairs.
+
+    The reference's log-probabilities are either given, ``reference`` (N, 2), or computed
+    by the frozen ``reference_model`` the first time each pair is read and then kept
+    (`encode_pairs` does this): exactly one of the two.
     """
 
     def __init__(self, sequences: Sequence[Sequence[int]], masks: Sequence[Sequence[bool]],
-                 reference: Tensor, *, pad_id: int = 0) -> None:
+                 reference: Tensor | None = None, *, reference_model: GPT | None = None,
+                 pad_id: int = 0) -> None:
         super().__init__(sequences, masks, pad_id=pad_id)
-        if len(sequences) % 2 or reference.shape != (len(sequences) // 2, 2):
+        n = len(sequences) // 2
+        if (reference is None) == (reference_model is None):
+            raise ValueError("give either the reference's log-probabilities or the "
+                             "reference model, not both or neither")
+        if len(sequences) % 2 or (reference is not None and reference.shape != (n, 2)):
+            shape = "none" if reference is None else tuple(reference.shape)
             raise ValueError(f"need an even number of sequences (chosen, rejected, ...) and "
                              f"reference log-probabilities (N, 2); got {len(sequences)} "
-                             f"sequences and {tuple(reference.shape)}")
-        self.reference = reference.detach().float().cpu()
+                             f"sequences and {shape}")
+        self.reference_model = reference_model
+        self._reference = (torch.full((n, 2), math.nan) if reference is None
+                           else reference.detach().float().cpu())
 
     @property
     def num_pairs(self) -> int:
         return len(self) // 2
 
-    def pairs(self, rows: Sequence[int]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Pairs ``rows``: x, y, mask (B, 2, L) and the reference's log-probs (B, 2)."""
+    def tensors(self, rows: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
+        """Pairs ``rows`` as x, y, mask (B, 2, L), padded to the longest of them."""
         x, y, mask = self.batch([2 * r + s for r in rows for s in (0, 1)])
         shape = (len(rows), 2, -1)
-        return x.view(shape), y.view(shape), mask.view(shape), self.reference[list(rows)]
+        return x.view(shape), y.view(shape), mask.view(shape)
+
+    def reference_logprobs(self, rows: Sequence[int] | None = None) -> Tensor:
+        """(B, 2) the reference's log-probabilities of pairs ``rows`` (default: all); those
+        not computed yet are computed now, by the reference model, and kept."""
+        rows = range(self.num_pairs) if rows is None else rows
+        missing = [r for r in dict.fromkeys(rows) if math.isnan(self._reference[r, 0])]
+        if missing:
+            assert self.reference_model is not None  # a given reference has no NaN
+            self._reference[missing] = pair_logprobs(self.reference_model, self, missing)
+        return self._reference[list(rows)]
+
+    def pairs(self, rows: Sequence[int]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Pairs ``rows``: x, y, mask (B, 2, L) and the reference's log-probs (B, 2)."""
+        return (*self.tensors(rows), self.reference_logprobs(rows))
 
     def get_batch(self, batch_size: int, context_length: int, *,  # type: ignore[override]
                   generator: torch.Generator | None = None, device: str | torch.device = "cpu",
@@ -155,18 +184,18 @@ class PreferenceSet(ExampleSet):
         return tuple(t.to(device) for t in self.pairs(rows))
 
 
-def encode_pairs(pairs: Sequence[PreferencePair], tokenizer: Tokenizer, reference: GPT, *,
-                 batch_size: int = 64) -> PreferenceSet:
-    """The pairs in the chat format (`encode_conversation`'s assistant mask) with the frozen
-    ``reference``'s log-probabilities of each answer (`sequence_logprobs`)."""
+def encode_pairs(pairs: Sequence[PreferencePair], tokenizer: Tokenizer,
+                 reference: GPT) -> PreferenceSet:
+    """The pairs in the chat format (`encode_conversation`'s assistant mask), scored by the
+    frozen ``reference`` (`sequence_logprobs`) as they are read."""
     if not pairs:
         raise ValueError("encode_pairs needs at least one preference pair")
     encoded = [encode_conversation(c, tokenizer) for p in pairs for c in p.conversations()]
-    pad = tokenizer.special_tokens[END_OF_TURN]
-    seqs, masks = [ids for ids, _ in encoded], [m for _, m in encoded]
-    unscored = PreferenceSet(seqs, masks, torch.zeros(len(pairs), 2), pad_id=pad)
-    unscored.check_context_length(reference.config.context_length)
-    return PreferenceSet(seqs, masks, pair_logprobs(reference, unscored, batch_size), pad_id=pad)
+    data = PreferenceSet([ids for ids, _ in encoded], [m for _, m in encoded],
+                         reference_model=reference,
+                         pad_id=tokenizer.special_tokens[END_OF_TURN])
+    data.check_context_length(reference.config.context_length)
+    return data
 
 
 # ------------------------------------------------------------------------------- the loss
@@ -200,13 +229,16 @@ def preference_loss(model: nn.Module, batch: tuple[Tensor, ...], *, beta: float)
 
 
 @torch.no_grad()
-def pair_logprobs(model: GPT, data: PreferenceSet, batch_size: int = 64) -> Tensor:
-    """(N, 2) ``model``'s sequence log-probabilities of every pair's answers, in eval mode."""
+def pair_logprobs(model: GPT, data: PreferenceSet, rows: Sequence[int] | None = None,
+                  batch_size: int = 64) -> Tensor:
+    """(B, 2) ``model``'s sequence log-probabilities of the answers of pairs ``rows``
+    (default: all), ``batch_size`` pairs a forward pass, in eval mode."""
+    rows = list(range(data.num_pairs) if rows is None else rows)
     device = next(model.parameters()).device
     out = []
     with eval_mode(model):
-        for start in range(0, data.num_pairs, batch_size):
-            x, y, mask, _ = data.pairs(range(start, min(start + batch_size, data.num_pairs)))
+        for start in range(0, len(rows), batch_size):
+            x, y, mask = data.tensors(rows[start:start + batch_size])
             out.append(sequence_logprobs(model, x.flatten(0, 1).to(device),
                                          y.flatten(0, 1).to(device),
                                          mask.flatten(0, 1).to(device)).view(-1, 2).cpu())
@@ -251,7 +283,7 @@ def preference_metrics(policy: GPT, data: PreferenceSet, beta: float) -> dict[st
     answer's log-probability), and ``ranking``, the fraction of pairs where the policy
     itself gives the chosen answer the higher log-probability."""
     beta = check_beta(beta)
-    pi, ref = pair_logprobs(policy, data), data.reference
+    pi, ref = pair_logprobs(policy, data), data.reference_logprobs()
     ratio = (pi - ref).double()
     margin = beta * (ratio[:, 0] - ratio[:, 1])
     return {"accuracy": (margin > 0).double().mean().item(),
