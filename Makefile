@@ -28,10 +28,16 @@ NPM_STAMP := node_modules/.installed
 
 .PHONY: book pdf test unit nbval setup assets book-model system-deps baseline lint linkcheck clean
 
+# pip would byte-compile every module of every package it installs, PyTorch's thousands of
+# modules that the book never imports included (a minute on one core); --no-compile leaves
+# that to Python, which compiles a module the first time it is imported and keeps the result
+# in __pycache__, if bytecode writing is on (so it is turned on here).
+unexport PYTHONDONTWRITEBYTECODE
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	sed '$(if $(TORCH),s/^torch==.*/torch==$(TORCH)/)' requirements.txt > $(VENV)/requirements.txt
-	$(PY) -m pip install --quiet --disable-pip-version-check -r $(VENV)/requirements.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-compile \
+		-r $(VENV)/requirements.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 	$(PY) -m pip check
 	touch $(STAMP)
