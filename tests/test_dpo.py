@@ -308,6 +308,17 @@ def test_kl_is_zero_for_the_reference_itself_and_positive_after_training() -> No
         sampled_kl(model, model, [[1] * 64], end)
 
 
+
+@pytest.mark.cuda
+def test_kl_draws_on_the_policys_device() -> None:
+    model, tok = chat_model()
+    pairs = make_pairs(tasks())
+    prompts = [prompt_ids(p.conversations()[0][:1], tok) for p in pairs]
+    model = model.to("cuda")
+    kl = sampled_kl(model, model, prompts, tok.special_tokens[END_OF_TURN], samples=2)
+    assert kl == pytest.approx(0.0, abs=1e-5)
+
+
 def test_beta_sweep_rows() -> None:
     model, tok = chat_model()
     pairs = make_pairs(tasks())

@@ -31,7 +31,9 @@ from minigpt.tokenizer import CHAT_TOKENS, CharTokenizer, with_special_tokens
 from minigpt.train import TrainConfig
 
 #: Bump when the way the assistants are made changes in a way their key does not see.
-ASSISTANT_VERSION = 2  # 2: DPO scores a pair by the reference when first read
+ASSISTANT_VERSION = 1
+#: The same for the DPO models alone (2: the reference scores a pair when it is first read).
+DPO_VERSION = 2
 #: The training seeds of the cached fine-tuned models.
 SFT_SEEDS = (0, 1, 2)
 
@@ -147,6 +149,7 @@ def dpo_model(*, beta: float | None = None, progress: bool = False,
         return result.model, metrics, asdict(result.history)
 
     material = _material("dpo", sft_info, policy.config.model_dump(), config, recipe,
-                         beta=recipe.beta, pair_seed=recipe.pair_seed)
+                         beta=recipe.beta, pair_seed=recipe.pair_seed,
+                         dpo_version=DPO_VERSION)
     model, info = cached_model(material, build, progress=progress)
     return model, chat, info

@@ -309,7 +309,7 @@ def sampled_kl(policy: GPT, reference: GPT, prompts: Sequence[Sequence[int]], en
     """
     if not prompts:
         raise ValueError("sampled_kl needs at least one prompt")
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(next(policy.parameters()).device).manual_seed(seed)  # draws there
     T, total = policy.config.context_length, 0.0
     by_length: dict[int, list[Sequence[int]]] = {}
     for p in prompts:

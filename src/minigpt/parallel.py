@@ -50,7 +50,8 @@ class DistContext:
 
     @property
     def is_main(self) -> bool:
-        """Rank 0 prints, evaluates and writes files; the others only train."""
+        """Rank 0 prints and writes files; every rank trains and scores its share of
+        each evaluation (`minigpt.train.estimate_loss` averages the shares)."""
         return self.rank == 0
 
     @property
