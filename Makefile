@@ -142,9 +142,12 @@ test: lint setup system-deps book
 	tests=$$?; wait $$pdf; printed=$$?; cat _build/pdf.log; test $$printed = 0 || exit 1; \
 	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest -m pdf && test $$tests = 0
 
-# The quick loop while editing the package: every test that needs no built book (< 1 min).
+# The quick loop while editing the package: every test that needs no built book, but for
+# those marked slow (processes started, thousands of samples, compilation). SLOW=1 runs
+# those too, as the workflow's unit jobs do: `make unit SLOW=1`.
+SLOW ?=
 unit: setup
-	$(PY) -m pytest -m "not book"
+	$(PY) -m pytest -m "not book$(if $(SLOW),, and not slow)"
 
 # nbval itself: re-execute every stored notebook and compare (slower; make test compares
 # the build's own execution instead).

@@ -148,6 +148,7 @@ def test_clear_errors(argv: list[str], message: str, runs: dict[str, Path], tmp_
     assert f"minigpt {argv[0]}: error:" in err and message in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["sft", "dpo"])
 def test_under_torchrun_two_processes_train_and_rank_zero_writes(
         runs: dict[str, Path], tmp_path: Path, command: str) -> None:

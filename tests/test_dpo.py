@@ -359,6 +359,7 @@ DDP_SCRIPT = textwrap.dedent("""
 DDP_STEPS = 3
 
 
+@pytest.mark.slow
 def test_two_ranks_train_dpo_as_one_process_on_their_pairs_together(tmp_path) -> None:
     # 2 ranks x 4 pairs a step: the same run as one process taking 8 pairs a step (the
     # reference's log-probabilities travel with the pairs; the loss is a mean over pairs).

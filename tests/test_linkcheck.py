@@ -71,6 +71,7 @@ def test_every_ignored_host_says_why() -> None:
         assert len(reason.split()) >= 8, f"{pattern}: say why its answers cannot be trusted"
 
 
+@pytest.mark.slow
 def test_the_link_check_reports_missing_and_unreachable_links(tmp_path: Path, site: str) -> None:
     book = tmp_path / "book"
     book.mkdir()

@@ -444,6 +444,7 @@ shutdown(ctx)
 """
 
 
+@pytest.mark.slow
 def test_two_ranks_with_muon_equal_one_process(tmp_path: Path) -> None:
     from test_parallel import _ranks
 

@@ -88,6 +88,7 @@ def run_script_on_ranks(n: int, script: str, tmp: Path) -> list[subprocess.Compl
     return results
 
 
+@pytest.mark.slow
 def test_one_step_on_two_ranks_equals_one_process_on_the_whole_batch(tmp_path: Path) -> None:
     script = tmp_path / "step.py"
     script.write_text(STEP_SCRIPT)
@@ -155,6 +156,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, text_file: Path) -> Iterator[
     yield root
 
 
+@pytest.mark.slow
 def test_two_process_run_equals_the_one_process_run(runs: Path) -> None:
     one, two = (json.loads((runs / d / "history.json").read_text()) for d in ("one", "two"))
     assert len(one["loss"]) == len(two["loss"]) == 20
@@ -169,6 +171,7 @@ def test_two_process_run_equals_the_one_process_run(runs: Path) -> None:
     assert (runs / "two.stdout").read_text().count("wrote ") == 1
 
 
+@pytest.mark.slow
 def test_two_process_resume_continues_the_same_run(runs: Path, tmp_path: Path,
                                                    text_file: Path) -> None:
     out = tmp_path / "stopped"
@@ -227,6 +230,7 @@ def test_a_port_in_use_is_named(tmp_path: Path, text_file: Path,
         assert f"the rendezvous port 127.0.0.1:{port} is in use" in r.stderr
 
 
+@pytest.mark.slow
 def test_global_batch_size_sets_accumulation(tmp_path: Path, text_file: Path) -> None:
     r = _train(["--batch-size", "4", "--global-batch-size", "12", "--max-steps", "2"],
                tmp_path / "acc", text_file)
@@ -307,6 +311,7 @@ WRAPPED_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_each_rank_evaluates_its_share_and_collectives_use_the_models_device(
         tmp_path: Path) -> None:
     script = tmp_path / "wrapped.py"
@@ -363,6 +368,7 @@ NO_SYNC_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_accumulation_all_reduces_once_per_step_also_under_compile(tmp_path: Path) -> None:
     script = tmp_path / "no_sync.py"
     script.write_text(NO_SYNC_SCRIPT)

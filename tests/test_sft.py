@@ -251,6 +251,7 @@ DDP_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_two_ranks_take_the_mean_over_all_their_answer_tokens(tmp_path: Path) -> None:
     # 2 ranks x 2 micro-batches x 2 sequences, unequal answers: the step of one process on
     # the same 8 sequences at once (not the mean of the ranks' means).

@@ -49,6 +49,7 @@ CHI2_999 = [10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32, 26.12, 27.88, 29.59
             32.91, 34.53, 36.12, 37.70]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k, shape", [
     (3, {}),  # two new tokens: every round here proposes one (see the tests below)
     (1, {"temperature": 0.7}),
@@ -125,6 +126,7 @@ def test_chi2_limit_matches_the_table() -> None:
             assert abs(chi2_limit(dof) - exact) < 0.02 * exact
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [{}, {"temperature": 1.3, "top_k": 3}])
 def test_a_round_of_two_proposals_follows_the_target(models: tuple[GPT, GPT],
                                                      shape: dict[str, object]) -> None:
@@ -156,6 +158,7 @@ def test_a_round_of_two_proposals_follows_the_target(models: tuple[GPT, GPT],
     assert dof >= 10 and chi2 < chi2_limit(dof), (chi2, dof)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [{}, {"top_p": 0.9}])
 def test_rounds_of_three_proposals_follow_the_target(models: tuple[GPT, GPT],
                                                      shape: dict[str, object]) -> None:

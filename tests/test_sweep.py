@@ -28,6 +28,7 @@ def _alone(run: tuple[GPTConfig, TrainConfig]) -> list[float]:
         torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 def test_two_processes_give_each_run_exactly_what_train_gives() -> None:
     runs = _runs(range(3))
     with RunPool(DATA[:3000], DATA[3000:], workers=2) as pool:

@@ -385,6 +385,7 @@ def test_checkpoint_load_errors(tmp_path: Path) -> None:
 
 # ----- torch.compile -------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_compiled_training_follows_the_eager_run(data: tuple[np.ndarray, np.ndarray]) -> None:
     """`compile=True` trains the same model as eager mode (to float rounding), in one
     graph: the token-id check compiles to a device assertion instead of a graph break."""
@@ -406,6 +407,7 @@ def test_compiled_training_follows_the_eager_run(data: tuple[np.ndarray, np.ndar
     assert type(compiled.model) is GPT
 
 
+@pytest.mark.slow
 def test_a_compiled_model_still_refuses_out_of_range_ids() -> None:
     torch._dynamo.reset()
     model = torch.compile(GPT(tiny_config()))

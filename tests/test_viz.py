@@ -424,6 +424,7 @@ def _png(fig) -> bytes:
     return buffer.getvalue()
 
 
+@pytest.mark.slow
 def test_figures_render_the_same_every_time():
     runs = np.random.default_rng(0).normal(size=(5, 30))
     def seeds():  # noqa: E306
@@ -435,6 +436,7 @@ def test_figures_render_the_same_every_time():
         viz.attention_heatmap(w, "abcdef", annotate=True))
 
 
+@pytest.mark.slow
 def test_seaborn_leaves_matplotlib_style_alone():
     # seaborn's theme is never set: importing viz and drawing every kind of figure
     # changes no rcParams, so figures that do not use seaborn keep matplotlib's look.

@@ -211,7 +211,7 @@ def _oldest_torch() -> str:
 def test_unit_tests_run_on_three_systems_and_on_the_oldest_torch() -> None:
     unit = _workflow()["jobs"]["unit"]
     assert "needs" not in unit
-    assert _run_commands("unit") == ["make unit TORCH=${{ matrix.torch }}"]
+    assert _run_commands("unit") == ["make unit TORCH=${{ matrix.torch }} SLOW=1"]
     assert unit["defaults"]["run"]["shell"] == "bash"
     matrix = unit["strategy"]["matrix"]
     assert unit["strategy"]["fail-fast"] is False
@@ -249,10 +249,11 @@ def test_make_unit_torch_puts_that_torch_in_a_venv_of_its_own() -> None:
     # What CI's oldest-torch job runs, as a dry run: the venv, its requirements and the tests.
     # Under `make unit` itself, the variables given to that make (TORCH=, VENV=) reach this
     # one through MAKEFLAGS and the environment: leave them out.
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "VENV", "TORCH")}
-    result = subprocess.run(["make", "--no-print-directory", "-n", "-B", "unit", "TORCH=9.9"],
-                            capture_output=True, text=True, cwd=ROOT, timeout=60, env=env)
+    env = {k: v for k, v in os.environ.items() if k not in (
+        "MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "VENV", "TORCH", "SLOW")}
+    result = subprocess.run(["make", "--no-print-directory", "-n", "-B", "unit", "TORCH=9.9",
+                             "SLOW=1"], capture_output=True, text=True, cwd=ROOT, timeout=60,
+                            env=env)
     assert result.returncode == 0, result.stderr
     bin_dir = "Scripts" if sys.platform == "win32" else "bin"
     lines = result.stdout.splitlines()
@@ -260,7 +261,11 @@ def test_make_unit_torch_puts_that_torch_in_a_venv_of_its_own() -> None:
     sed = [line for line in lines if line.startswith("sed ")]
     assert sed == ["sed 's/^torch==.*/torch==9.9/' requirements.txt > "
                    ".venv-torch9.9/requirements.txt"], sed
-    assert f'.venv-torch9.9/{bin_dir}/python -m pytest -m "not book"' in lines
+    assert f'.venv-torch9.9/{bin_dir}/python -m pytest -m "not book"' in lines  # slow ones too
+    quick = subprocess.run(["make", "--no-print-directory", "-n", "-B", "unit"],
+                           capture_output=True, text=True, cwd=ROOT, timeout=60, env=env)
+    assert f'.venv/{bin_dir}/python -m pytest -m "not book and not slow"' in (
+        quick.stdout.splitlines()), quick.stdout
     # The substitution meets exactly one line of requirements.txt: the pinned torch.
     pinned = [line for line in (ROOT / "requirements.txt").read_text().splitlines()
               if re.match(r"torch==", line)]
