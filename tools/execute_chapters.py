@@ -40,10 +40,10 @@ MEASURED_SECONDS = {"experiments": 67, "assistant": 61, "modern_gpt": 47, "train
                     "sampling": 22, "intro": 19, "implementation": 15, "tokenisation": 15,
                     "attention_heatmaps": 14}
 # Chapters that keep both cores busy for part of their run (the modern chapter's and the
-# experiments chapter's sweeps run two trainings at once; the training chapter scores a
-# whole split on two threads). Two of them side by side took longer than one after the
-# other (110 s against 87 s), so at most one of them runs at a time.
-TWO_CORES = {"experiments", "modern_gpt", "training"}
+# experiments chapter's sweeps run two trainings at once). Two of them side by side took
+# longer than one after the other (110 s against 87 s), so at most one of them runs at a
+# time; every other chapter computes on one thread and runs beside them.
+TWO_CORES = {"experiments", "modern_gpt"}
 
 
 def book_settings(config_path: Path = CONFIG) -> dict[str, Any]:
