@@ -10,10 +10,17 @@ import pytest
 import torch
 
 from minigpt import pretrained
-from minigpt.assistant import AssistantRecipe, assistant_tasks, dpo_model, sft_model
+from minigpt.assistant import (
+    AssistantRecipe,
+    assistant_tasks,
+    dpo_model,
+    sft_model,
+)
 from minigpt.chat import Turn, reply
 from minigpt.cli import main
+from minigpt.data import split_text
 from minigpt.pretrained import MANIFEST_NAME, Recipe
+from minigpt.tasks import source_lines
 from minigpt.train import TrainConfig
 
 WORDS = ["fair", "moon", "night", "love", "sweet", "lord", "good", "king", "heart", "death",
@@ -65,6 +72,17 @@ def test_sft_models_are_cached_one_per_seed() -> None:
     assert isinstance(reply(model, chat, [Turn("user", "upper: moon")], max_new_tokens=3), str)
     tasks = assistant_tasks(TINY)
     assert len(tasks.train) == 5 * 20 and len(tasks.test) == 5 * 5
+
+
+def test_no_task_comes_from_the_held_out_text() -> None:
+    # The benchmark and bits per character read the held-out text: no assistant may train
+    # (or be scored as if unseen) on a line of it.
+    seen, held = split_text(pretrained.corpus(), TINY.base.train_fraction)
+    seen_lines, held_lines = set(source_lines(seen)), set(source_lines(held)) - set(
+        source_lines(seen))
+    tasks = assistant_tasks(TINY)
+    sources = {t.source for t in tasks.train + tasks.test}
+    assert held_lines and sources <= seen_lines and not sources & held_lines
 
 
 def test_dpo_model_is_cached_with_its_measurements() -> None:

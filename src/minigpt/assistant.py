@@ -31,7 +31,7 @@ from minigpt.tokenizer import CHAT_TOKENS, CharTokenizer, with_special_tokens
 from minigpt.train import TrainConfig
 
 #: Bump when the way the assistants are made changes in a way their key does not see.
-ASSISTANT_VERSION = 1
+ASSISTANT_VERSION = 2  # 2: the tasks come from the training text only
 #: The same for the DPO models alone (2: the reference scores a pair when it is first read).
 DPO_VERSION = 2
 #: The training seeds of the cached fine-tuned models.
@@ -74,9 +74,11 @@ ASSISTANT_RECIPE = AssistantRecipe()
 
 
 def assistant_tasks(recipe: AssistantRecipe = ASSISTANT_RECIPE) -> TaskSplit:
-    """The tasks the assistants learn from (``.train``) and are scored on (``.test``)."""
-    return make_tasks(pretrained.corpus(), recipe.n_train, recipe.n_test,
-                      seed=recipe.task_seed)
+    """The tasks the assistants learn from (``.train``) and are scored on (``.test``), both
+    made from the base model's training text: the held-out text, which the benchmark and
+    bits per character read, stays unseen by every assistant."""
+    seen = split_text(pretrained.corpus(), recipe.base.train_fraction)[0]
+    return make_tasks(seen, recipe.n_train, recipe.n_test, seed=recipe.task_seed)
 
 
 def _material(kind: str, parent: ModelInfo, model_config: dict[str, Any],
