@@ -49,8 +49,9 @@ class AssistantRecipe:
         sft: fine-tuning's settings (its seed is replaced by each model's).
         replay, replay_chars: windows of the base model's training text, and their length,
             mixed into fine-tuning (`minigpt.sft.finetune`'s ``replay``): without them the
-            fine-tuned model forgets how to continue text (measured: 8.8 bits per
-            character on held-out text, against the base model's 2.7).
+            fine-tuned model forgets how to continue text (the assistant chapter's
+            exercise 5 measures it after 100 steps: 5.8 bits per character on held-out
+            text without them, 3.2 with them, against the base model's 2.7).
         dpo: DPO's settings; beta its KL weight; pair_seed the seed of the near misses.
         threads: torch threads while training (one: the same weights on every run).
     """
