@@ -309,6 +309,21 @@ def test_kl_is_zero_for_the_reference_itself_and_positive_after_training() -> No
 
 
 
+
+def test_under_bf16_the_reference_runs_as_the_policy_does() -> None:
+    # At step 0 the policy is the reference: with both under the same autocast, every
+    # log-ratio is zero and the loss is log 2.
+    model, tok = chat_model()
+    pairs = make_pairs(tasks())
+    bf16 = config(2).model_copy(update={"bf16": True})
+    result, _ = train_dpo(model, tok, pairs, pairs, bf16, beta=0.1, progress=False)
+    assert result.history.loss[0] == pytest.approx(math.log(2), abs=1e-6)
+    data = encode_pairs(pairs, tok, model, bf16=True)
+    assert data.bf16 and not encode_pairs(pairs, tok, model).bf16
+    torch.testing.assert_close(data.reference_logprobs([0, 1]),
+                               pair_logprobs(model, data, [0, 1], bf16=True))
+
+
 @pytest.mark.cuda
 def test_kl_draws_on_the_policys_device() -> None:
     model, tok = chat_model()

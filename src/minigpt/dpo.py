@@ -131,12 +131,14 @@ class PreferenceSet(ExampleSet):
 
     The reference's log-probabilities are either given, ``reference`` (N, 2), or computed
     by the frozen ``reference_model`` the first time each pair is read and then kept
-    (`encode_pairs` does this): exactly one of the two.
+    (`encode_pairs` does this): exactly one of the two. ``bf16``: compute them under bf16
+    autocast, as the policy's are when training runs under it (at the start, where the
+    policy is the reference, their log-ratios are then exactly zero).
     """
 
     def __init__(self, sequences: Sequence[Sequence[int]], masks: Sequence[Sequence[bool]],
                  reference: Tensor | None = None, *, reference_model: GPT | None = None,
-                 pad_id: int = 0) -> None:
+                 bf16: bool = False, pad_id: int = 0) -> None:
         super().__init__(sequences, masks, pad_id=pad_id)
         n = len(sequences) // 2
         if (reference is None) == (reference_model is None):
@@ -148,6 +150,7 @@ class PreferenceSet(ExampleSet):
                              f"reference log-probabilities (N, 2); got {len(sequences)} "
                              f"sequences and {shape}")
         self.reference_model = reference_model
+        self.bf16 = bf16
         self._reference = (torch.full((n, 2), math.nan) if reference is None
                            else reference.detach().float().cpu())
 
@@ -168,7 +171,8 @@ class PreferenceSet(ExampleSet):
         missing = [r for r in dict.fromkeys(rows) if math.isnan(self._reference[r, 0])]
         if missing:
             assert self.reference_model is not None  # a given reference has no NaN
-            self._reference[missing] = pair_logprobs(self.reference_model, self, missing)
+            self._reference[missing] = pair_logprobs(self.reference_model, self, missing,
+                                                     bf16=self.bf16)
         return self._reference[list(rows)]
 
     def pairs(self, rows: Sequence[int]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -185,14 +189,15 @@ class PreferenceSet(ExampleSet):
 
 
 def encode_pairs(pairs: Sequence[PreferencePair], tokenizer: Tokenizer,
-                 reference: GPT) -> PreferenceSet:
+                 reference: GPT, *, bf16: bool = False) -> PreferenceSet:
     """The pairs in the chat format (`encode_conversation`'s assistant mask), scored by the
-    frozen ``reference`` (`sequence_logprobs`) as they are read."""
+    frozen ``reference`` (`sequence_logprobs`, under bf16 autocast if ``bf16``) as they are
+    read."""
     if not pairs:
         raise ValueError("encode_pairs needs at least one preference pair")
     encoded = [encode_conversation(c, tokenizer) for p in pairs for c in p.conversations()]
     data = PreferenceSet([ids for ids, _ in encoded], [m for _, m in encoded],
-                         reference_model=reference,
+                         reference_model=reference, bf16=bf16,
                          pad_id=tokenizer.special_tokens[END_OF_TURN])
     data.check_context_length(reference.config.context_length)
     return data
@@ -230,13 +235,15 @@ def preference_loss(model: nn.Module, batch: tuple[Tensor, ...], *, beta: float)
 
 @torch.no_grad()
 def pair_logprobs(model: GPT, data: PreferenceSet, rows: Sequence[int] | None = None,
-                  batch_size: int = 64) -> Tensor:
+                  batch_size: int = 64, *, bf16: bool = False) -> Tensor:
     """(B, 2) ``model``'s sequence log-probabilities of the answers of pairs ``rows``
-    (default: all), ``batch_size`` pairs a forward pass, in eval mode."""
+    (default: all), ``batch_size`` pairs a forward pass, in eval mode (under bf16 autocast
+    if ``bf16``)."""
     rows = list(range(data.num_pairs) if rows is None else rows)
     device = next(model.parameters()).device
     out = []
-    with eval_mode(model):
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+    with eval_mode(model), autocast:
         for start in range(0, len(rows), batch_size):
             x, y, mask = data.tensors(rows[start:start + batch_size])
             out.append(sequence_logprobs(model, x.flatten(0, 1).to(device),
@@ -264,8 +271,8 @@ def train_dpo(policy: GPT, tokenizer: Tokenizer, train_pairs: Sequence[Preferenc
     ``policy``, which is not changed. Returns the run's result and the reference."""
     beta = check_beta(beta)
     reference = copy.deepcopy(policy).eval().requires_grad_(False)
-    train_set = encode_pairs(train_pairs, tokenizer, reference)
-    val_set = encode_pairs(val_pairs, tokenizer, reference)
+    train_set = encode_pairs(train_pairs, tokenizer, reference, bf16=config.bf16)
+    val_set = encode_pairs(val_pairs, tokenizer, reference, bf16=config.bf16)
     result = train(copy.deepcopy(policy), config, train_set, val_set, tokenizer=tokenizer,
                    loss_fn=partial(preference_loss, beta=beta), **train_args)
     return result, reference
