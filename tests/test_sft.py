@@ -251,6 +251,41 @@ DDP_SCRIPT = textwrap.dedent("""
 """)
 
 
+EVAL_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    sys.path.insert(0, sys.argv[2])
+    from test_sft import examples, tiny
+    from minigpt.parallel import init_distributed, shutdown
+    from minigpt.train import estimate_loss
+    torch.set_num_threads(1)
+    ctx = init_distributed("cpu")
+    losses = estimate_loss(tiny(), {"val": examples(16, 2)}, batch_size=2, context_length=12,
+                           eval_steps=3, ctx=ctx)
+    if ctx.rank == 0:
+        print(losses["val"])
+    shutdown(ctx)
+""")
+
+
+@pytest.mark.slow
+def test_two_ranks_evaluate_as_one_process_over_all_their_answer_tokens(
+        tmp_path: Path) -> None:
+    # Each rank scores 2 of every 4 sequences, with unequal answers: the validation loss is
+    # each global batch's mean over all its answer tokens, as one process computes it (the
+    # mean of the ranks' means differs).
+    results = run_script_on_ranks(2, EVAL_SCRIPT, tmp_path)
+    data = examples(16, 2)
+    one = estimate_loss(tiny(), {"val": data}, batch_size=4, context_length=12,
+                        eval_steps=3)["val"]
+    assert float(results[0].stdout) == pytest.approx(one, rel=1e-6)
+    gen, means = torch.Generator().manual_seed(0), []
+    for _ in range(3):  # what averaging the ranks' means would give
+        x, y, mask = data.get_batch(4, 12, generator=gen)
+        means += [lm_loss(tiny(), x[r], y[r], mask[r]).item() for r in (slice(0, 2),
+                                                                        slice(2, 4))]
+    assert abs(sum(means) / 6 - one) > 1e-3
+
+
 @pytest.mark.slow
 def test_two_ranks_take_the_mean_over_all_their_answer_tokens(tmp_path: Path) -> None:
     # 2 ranks x 2 micro-batches x 2 sequences, unequal answers: the step of one process on

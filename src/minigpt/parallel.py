@@ -160,14 +160,19 @@ def rank_batch(
     return tuple(t[rows].to(ctx.device) for t in batch)
 
 
-def mean_over_ranks(value: Tensor, ctx: DistContext) -> Tensor:
-    """The mean of a tensor over the ranks (itself for a single process), on ``ctx.device``:
+def sum_over_ranks(value: Tensor, ctx: DistContext) -> Tensor:
+    """The sum of a tensor over the ranks (itself for a single process), on ``ctx.device``:
     NCCL reduces only tensors on the GPU."""
     if not ctx.distributed:
         return value
     value = value.to(ctx.device, copy=True)
     dist.all_reduce(value, op=dist.ReduceOp.SUM)
-    return value / ctx.world_size
+    return value
+
+
+def mean_over_ranks(value: Tensor, ctx: DistContext) -> Tensor:
+    """The mean of a tensor over the ranks (itself for a single process), on ``ctx.device``."""
+    return sum_over_ranks(value, ctx) / ctx.world_size if ctx.distributed else value
 
 
 def gather(obj: Any, ctx: DistContext) -> list[Any]:

@@ -46,6 +46,7 @@ from minigpt.parallel import (
     gather,
     mean_over_ranks,
     rank_batch,
+    sum_over_ranks,
     wrap_model,
 )
 from minigpt.tokenizer import Tokenizer, tokenizer_from_dict
@@ -452,10 +453,12 @@ def estimate_loss(model: nn.Module, splits: dict[str, np.ndarray | ExampleSet], 
     The batches come from a generator seeded with ``seed`` at every call, so successive
     evaluations of a run score the model on the same windows (their differences are the
     model's, not the sampling's) and evaluating never disturbs the training batches.
-    Several processes each score their ``batch_size`` rows of every global batch and the
-    means are averaged (collective: every rank calls it); the result is the one process
-    with ``batch_size * world_size`` would get, to float rounding. ``loss_fn`` replaces
-    `lm_loss` (as in `train_step`).
+    Several processes each score their ``batch_size`` rows of every global batch
+    (collective: every rank calls it), and the result is the one process with
+    ``batch_size * world_size`` would get, to float rounding: the ranks' means are averaged,
+    and for masked batches each global batch's summed loss is divided by all its counted
+    targets, however the ranks share them. ``loss_fn`` replaces `lm_loss` (as in
+    `train_step`).
     """
     device = next(model.parameters()).device
     ctx = ctx if ctx.distributed else DistContext(device=device)  # batches where the model is
@@ -464,12 +467,23 @@ def estimate_loss(model: nn.Module, splits: dict[str, np.ndarray | ExampleSet], 
         for name, data in splits.items():
             gen = torch.Generator().manual_seed(seed)
             total = torch.zeros((), device=device)
+            counted = []  # masked batches: (summed loss, counted targets) of each
             for _ in range(eval_steps):
                 batch = rank_batch(data, batch_size, context_length, ctx, generator=gen)
                 with _autocast(device, bf16):
-                    loss = lm_loss(model, *batch) if loss_fn is None else loss_fn(model, batch)
-                    total += loss.float()
-            out[name] = mean_over_ranks(total, ctx).item() / eval_steps
+                    if loss_fn is None and len(batch) == 3:
+                        summed = lm_loss(model, *batch, reduction="sum").float()
+                        counted.append(torch.stack([summed, batch[2].sum().float()]))
+                    else:
+                        loss = lm_loss(model, *batch) if loss_fn is None else loss_fn(model,
+                                                                                      batch)
+                        total += loss.float()
+            if counted:
+                for summed, count in sum_over_ranks(torch.stack(counted), ctx):
+                    total += summed / count
+                out[name] = total.item() / eval_steps
+            else:
+                out[name] = mean_over_ranks(total, ctx).item() / eval_steps
     return out
 
 
