@@ -46,7 +46,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PDF_NAME = "minigpt-book.pdf"
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
-TIMEOUT = 300  # seconds for the page, MathJax and the images
+# Seconds for the page, MathJax, the images and each print (266 pages take about 30 s on
+# one core, several times that while the tests keep both cores busy).
+TIMEOUT = 600
 # A4, 14 mm margins; at 80 % the column holds the package's 100-character lines.
 PRINT_OPTIONS = {
     "paperWidth": 8.27,
@@ -144,6 +146,7 @@ def chromium() -> Iterator[Any]:
                                options=options)
     browser.set_page_load_timeout(TIMEOUT)
     browser.set_script_timeout(TIMEOUT)
+    browser.command_executor.client_config.timeout = TIMEOUT  # printing: one long command
     try:
         yield browser
     finally:
