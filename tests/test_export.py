@@ -100,7 +100,7 @@ def test_prompt_ids_use_the_chat_format_for_the_assistant() -> None:
     user, assistant, end = (chat.special_tokens[t] for t in CHAT_TOKENS)
     assert prompt_ids("sft-0", chat, "ab") == [user, 0, 1, end, assistant]
     with pytest.raises(ValueError, match="not in the vocabulary"):
-        prompt_ids("book", plain, "abd")
+        prompt_ids("book", plain, "abx")
 
 
 def test_the_command_refuses_too_few_contexts(capsys: pytest.CaptureFixture[str]) -> None:

@@ -407,8 +407,9 @@
     const write = element("button", {type: "submit", class: "btn btn-primary", text: "Write"});
     const stop = element("button", {type: "button", class: "btn btn-secondary", text: "Stop"});
     stop.disabled = true;
-    const form = element("form", {class: "minigpt-playground-form", "aria-label":
-                                  "Write with a model"}, [
+    // novalidate: the checks below name the field and the allowed range in words.
+    const form = element("form", {class: "minigpt-playground-form", novalidate: "",
+                                  "aria-label": "Write with a model"}, [
       field(id + "-prompt", "Prompt", controls.prompt,
             "the assistant answers a question such as 'upper: thunder'"),
       element("div", {class: "minigpt-playground-row"}, [
