@@ -91,7 +91,6 @@ PLAYGROUND_MARKER = 'class="minigpt-playground"'
 PLAYGROUND_JSON = Path("_playground") / "playground" / "playground.json"
 _PLAYGROUND = re.compile(r'<div class="minigpt-playground"([^>]*)>\s*</div>')
 _DATA_MODEL = re.compile(r'data-model="([^"]+)"')
-_DATA_PROMPT = re.compile(r'data-prompt="([^"]*)"')
 
 
 def add_playground(app: Sphinx, pagename: str, templatename: str,
@@ -111,22 +110,19 @@ def add_playground(app: Sphinx, pagename: str, templatename: str,
     def twin(match: re.Match[str]) -> str:
         attributes = match.group(1)
         found = _DATA_MODEL.search(attributes)
-        name = found.group(1) if found else "book"
-        model = models[name]
-        prompt_found = _DATA_PROMPT.search(attributes)
-        prompt = html.unescape(prompt_found.group(1)) if prompt_found else model["prompt"]
-        sample = model["sample"] if prompt == model["prompt"] else ""
-        printed = (f'<pre class="minigpt-playground-sample"><span class="minigpt-playground-'
-                   f'prompt">{html.escape(prompt)}</span>{html.escape(sample)}</pre>'
-                   if sample else "")
+        model = models[found.group(1) if found else "book"]
+        label = html.escape(model["label"])
+        note = ("In the online edition this is a playground: the book's models write here, "
+                "in the reader's browser, from any prompt, with the temperature, top-k, "
+                "top-p and seed the reader chooses, and the attention of every layer and "
+                f"head over what they wrote is drawn. This is what the {label} writes "
+                "greedily (temperature 0):")
+        sample = (f'<pre class="minigpt-playground-sample"><span class="minigpt-playground-'
+                  f'prompt">{html.escape(model["prompt"])}</span>'
+                  f'{html.escape(model["sample"])}</pre>')
         return (f'<div class="minigpt-playground"{attributes}>\n'
-                f'<div class="minigpt-playground-static">\n'
-                f'<p>In the online edition this is a playground: the {html.escape(model["label"])}'
-                f' and the book's two other models write here, in the reader's browser, from '
-                f"any prompt, with the temperature, top-k, top-p and seed one chooses, and "
-                f"show the attention of every layer and head over what they wrote. This is "
-                f"what the {html.escape(model['label'])} writes greedily "
-                f"(temperature 0):</p>\n{printed}\n</div>\n</div>")
+                f'<div class="minigpt-playground-static">\n<p>{note}</p>\n{sample}\n'
+                f'</div>\n</div>')
 
     context["body"] = _PLAYGROUND.sub(twin, body)
 

@@ -54,7 +54,7 @@ CHROMEDRIVER = Path("/usr/bin/chromedriver")
 AXE = ROOT / "node_modules" / "axe-core" / "axe.min.js"
 PREFIX = "/a/sub-path/"
 # The pages that hold a playground.
-PAGES = ("intro", "book/sampling", "book/attention_heatmaps")
+PAGES = ("book/intro", "book/sampling", "book/attention_heatmaps")
 TIMEOUT = 120  # seconds for a script: loading the runtime and a model, then generating
 TRANSFER_BUDGET = 8_000_000  # bytes, gzipped: the runtime and a model a reader loads
 
@@ -181,7 +181,7 @@ def _model(name: str) -> Any:
 
 @pytest.fixture(scope="module")
 def page(driver: Any, base_url: str) -> Any:
-    _open(driver, base_url, "intro")
+    _open(driver, base_url, "book/intro")
     before = [urlsplit(u).path for u in _requests(driver)]
     assert not [p for p in before if "/onnxruntime/" in p or "/playground/" in p], (
         "the runtime or a model was fetched before the reader asked for text")
@@ -308,7 +308,7 @@ def test_keyboard_alone_writes_and_picks_a_head(driver: Any, base_url: str) -> N
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.keys import Keys
 
-    _open(driver, base_url, "intro")
+    _open(driver, base_url, "book/intro")
     _requests(driver)
     box = _form(driver)
     prompt = box.find_element("css selector", "textarea")
@@ -370,7 +370,7 @@ def test_keyboard_alone_writes_and_picks_a_head(driver: Any, base_url: str) -> N
 ])
 def test_bad_input_is_refused_with_a_clear_error(driver: Any, base_url: str, field: str,
                                                  value: str, message: str) -> None:
-    _open(driver, base_url, "intro")
+    _open(driver, base_url, "book/intro")
     driver.execute_script(_SET, f"div.minigpt-playground {field}", value)
     _form(driver).find_element("css selector", "button[type=submit]").click()
     assert _wait_state(driver, ("error", "done"), timeout=20) == "error"
@@ -381,7 +381,7 @@ def test_bad_input_is_refused_with_a_clear_error(driver: Any, base_url: str, fie
 def test_axe_finds_nothing_serious_in_the_playground(driver: Any, base_url: str) -> None:
     for entry in PAGES:
         _open(driver, base_url, entry)
-        if entry == "intro":  # with the text written and the heatmap drawn
+        if entry == "book/intro":  # with the text written and the heatmap drawn
             driver.execute_script(_SET, "div.minigpt-playground input[id$=length]", "20")
             _form(driver).find_element("css selector", "button[type=submit]").click()
             assert _wait_state(driver, ("done", "error")) == "done"

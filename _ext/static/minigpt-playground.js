@@ -427,7 +427,7 @@
     const promptShown = element("span", {class: "minigpt-playground-prompt"});
     const written = element("span", {class: "minigpt-playground-written"});
     const output = element("pre", {class: "minigpt-playground-output", id: id + "-output",
-                                   "aria-live": "polite", "aria-label": "generated text",
+                                   role: "log", "aria-live": "polite", "aria-label": "generated text",
                                    tabindex: "0"}, [promptShown, written]);
     const heatmapAlt = element("p", {class: "minigpt-playground-heatmap-alt",
                                      id: id + "-heatmap-alt"});
