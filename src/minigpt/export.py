@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import sys
 import time
 import warnings
@@ -87,13 +88,19 @@ def export_onnx(gpt: GPT, path: Path, *, example_length: int = 8) -> Path:
     length = torch.export.Dim("T", min=1, max=gpt.config.context_length)
     example = torch.zeros(1, example_length, dtype=torch.long)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with _without_id_check(), warnings.catch_warnings(), \
-            contextlib.redirect_stdout(sys.stderr):
-        warnings.simplefilter("ignore")  # the exporter's notes on what it skips
-        torch.onnx.export(WithAttention(gpt.eval()), (example,), str(path),
-                          input_names=["ids"], output_names=["logits", "attention"],
-                          dynamic_shapes={"ids": {1: length}}, dynamo=True,
-                          external_data=False, verbose=False)
+    quiet = logging.getLogger("torch.onnx")  # its notes on the operators it skips
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        with _without_id_check(), warnings.catch_warnings(), \
+                contextlib.redirect_stdout(sys.stderr):
+            warnings.simplefilter("ignore")
+            torch.onnx.export(WithAttention(gpt.eval()), (example,), str(path),
+                              input_names=["ids"], output_names=["logits", "attention"],
+                              dynamic_shapes={"ids": {1: length}}, dynamo=True,
+                              external_data=False, verbose=False)
+    finally:
+        quiet.setLevel(level)
     return path
 
 
