@@ -41,7 +41,7 @@ import pytest
 import torch
 
 from minigpt.decoding import generate, inverse_cdf, next_token_distribution
-from minigpt.export import EXPORTED, held_out_contexts, prompt_ids
+from minigpt.export import EXPORTED, PROMPTS, held_out_contexts, prompt_ids
 from minigpt.pretrained import MODELS
 
 pytestmark = [pytest.mark.book, pytest.mark.browser, pytest.mark.usefixtures("one_thread")]
@@ -229,7 +229,8 @@ def test_logits_and_attention_equal_pytorch(page: Any, name: str) -> None:
 @pytest.mark.parametrize("name", list(EXPORTED))
 def test_greedy_text_equals_generate(page: Any, name: str) -> None:
     model, tokenizer, _ = _model(name)
-    prompt = "upper: thunder" if name == "sft-0" else "ROMEO:\nBut soft, what light"
+    prompt = PROMPTS[name]
+    assert _run(page, "return api.FIRST_PROMPTS[args[0]];", name) == prompt
     ids = prompt_ids(name, tokenizer, prompt)
     length = 20 if name == "sft-0" else 200
     got = _run(page, """

@@ -20,6 +20,10 @@
 
   const STATIC = document.currentScript.src.replace(/[^/]*$/, "");  // .../_static/
   const MAX_NEW = 1000;
+  // Each model's first prompt: minigpt.export.PROMPTS (tests/test_playground.py checks).
+  const FIRST_PROMPTS = {"book": "ROMEO:\nBut soft, what light",
+                         "modern": "ROMEO:\nBut soft, what light",
+                         "sft-0": "upper: thunder"};
 
   // ------------------------------------------------------------------- the sampler
   // Logits come as float32 from the model and are reshaped in float64.
@@ -397,13 +401,20 @@
       length: numberInput({min: "1", max: String(MAX_NEW), step: "1",
                            value: preset.length || "200"}),
     };
-    controls.prompt.value = preset.prompt || "ROMEO:\nBut soft, what light";
+    controls.prompt.value = preset.prompt || FIRST_PROMPTS[preset.model || "book"];
     for (const [value, label] of [["book", "GPT-2 recipe (the book model)"],
                                   ["modern", "modern recipe"],
                                   ["sft-0", "assistant (chat format)"]]) {
       controls.model.appendChild(element("option", {value, text: label}));
     }
     controls.model.value = preset.model || "book";
+    // A prompt left as a model's first prompt follows the model chosen (the assistant
+    // answers questions; the others continue a speech).
+    controls.model.addEventListener("change", () => {
+      if (Object.values(FIRST_PROMPTS).includes(controls.prompt.value)) {
+        controls.prompt.value = FIRST_PROMPTS[controls.model.value];
+      }
+    });
     const write = element("button", {type: "submit", class: "btn btn-primary", text: "Write"});
     const stop = element("button", {type: "button", class: "btn btn-secondary", text: "Stop"});
     stop.disabled = true;
@@ -517,7 +528,7 @@
   window.minigptPlayground = {
     applyTemperature, topKFilter, topPFilter, nextTokenDistribution, inverseCdf,
     uniformGenerator, tokenizer, promptIds, session, forward, generate, heatmapSpec,
-    loadManifest,
+    loadManifest, FIRST_PROMPTS,
   };
 
   function buildAll() {
