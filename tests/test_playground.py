@@ -368,6 +368,7 @@ def test_keyboard_alone_writes_and_picks_a_head(driver: Any, base_url: str) -> N
     ("input[id$=top-p]", "1.5", "top-p must lie in (0, 1]"),
     ("input[id$=temperature]", "-1", "temperature must be >= 0"),
     ("input[id$=seed]", "-3", "the seed must be a whole number"),
+    ("input[id$=length]", "0", "characters must be a whole number from 1 to 1000"),
 ])
 def test_bad_input_is_refused_with_a_clear_error(driver: Any, base_url: str, field: str,
                                                  value: str, message: str) -> None:

@@ -178,8 +178,10 @@
     }
     const prompt = [model.chat.user, ...ids, model.chat.end, model.chat.assistant];
     if (prompt.length >= model.context_length) {
-      throw new Error("the question is " + ids.length + " characters long; the assistant " +
-                      "reads at most " + (model.context_length - 4) + " and its answer");
+      throw new Error("the question has " + ids.length + " characters; the assistant " +
+                      "reads at most " + (model.context_length - 4) + ", leaving room in " +
+                      "its context of " + model.context_length + " for the chat tokens " +
+                      "and an answer");
     }
     return prompt;
   }
