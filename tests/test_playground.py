@@ -434,3 +434,22 @@ def test_transfer_size() -> None:
           + f"; a reader who runs one model fetches {one / 1e6:.2f} MB, all three "
           f"{every / 1e6:.2f} MB")
     assert one <= TRANSFER_BUDGET
+
+
+def test_the_assistant_answers_in_its_chat_format(driver: Any, base_url: str) -> None:
+    from selenium.webdriver.support.ui import Select
+
+    _open(driver, base_url, "book/intro")
+    box = _form(driver)
+    Select(box.find_element("css selector", "select")).select_by_value("sft-0")
+    prompt = box.find_element("css selector", "textarea")
+    assert prompt.get_attribute("value") == PROMPTS["sft-0"]  # the model's first prompt
+    driver.execute_script(_SET, "div.minigpt-playground input[id$=temperature]", "0")
+    box.find_element("css selector", "button[type=submit]").click()
+    assert _wait_state(driver, ("done", "error")) == "done"
+    assert box.find_element("css selector", ".minigpt-playground-written").text == "THUNDER"
+    driver.execute_script(_SET, "div.minigpt-playground textarea", "upper: " + "a" * 60)
+    box.find_element("css selector", "button[type=submit]").click()
+    assert _wait_state(driver, ("error",), timeout=20) == "error"
+    alert = box.find_element("css selector", "[role=alert]").text
+    assert "the question has 67 characters; the assistant reads at most 60" in alert, alert
