@@ -107,3 +107,12 @@ def test_the_command_refuses_too_few_contexts(capsys: pytest.CaptureFixture[str]
     with pytest.raises(SystemExit):
         main(["out", "--contexts", "1"])
     assert "--contexts must be >= 2" in capsys.readouterr().err
+
+
+def test_the_graph_holds_no_path_of_the_machine_and_is_reproducible(
+        exported: tuple[GPT, Path], tmp_path: Path) -> None:
+    model, path = exported
+    data = path.read_bytes()
+    assert str(Path(__file__).resolve().parents[1]).encode() not in data
+    assert b".py" not in data, "the exporter's stack notes were kept"
+    assert export_onnx(model, tmp_path / "again.onnx").read_bytes() == data

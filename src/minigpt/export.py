@@ -101,7 +101,25 @@ def export_onnx(gpt: GPT, path: Path, *, example_length: int = 8) -> Path:
                               external_data=False, verbose=False)
     finally:
         quiet.setLevel(level)
+    _strip_metadata(path)
     return path
+
+
+def _strip_metadata(path: Path) -> None:
+    """Drop what the exporter notes beside each operator (the Python stack that made it,
+    with this machine's paths): the published graph holds only the computation."""
+    import onnx
+
+    graph = onnx.load(str(path))
+    for node in graph.graph.node:
+        node.doc_string = ""
+        del node.metadata_props[:]
+    for function in graph.functions:
+        for node in function.node:
+            node.doc_string = ""
+            del node.metadata_props[:]
+    graph.graph.doc_string = ""
+    onnx.save(graph, str(path))
 
 
 def held_out_contexts(tokenizer: CharTokenizer, n: int, max_length: int, *,
