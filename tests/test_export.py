@@ -96,11 +96,11 @@ def test_an_example_that_would_fix_the_length_is_refused(length: int,
 def test_prompt_ids_use_the_chat_format_for_the_assistant() -> None:
     plain = CharTokenizer("abc")
     chat = CharTokenizer("abc", CHAT_TOKENS)
-    assert prompt_ids("book", plain, "cab") == [2, 0, 1]
+    assert prompt_ids(plain, "cab") == [2, 0, 1]
     user, assistant, end = (chat.special_tokens[t] for t in CHAT_TOKENS)
-    assert prompt_ids("sft-0", chat, "ab") == [user, 0, 1, end, assistant]
+    assert prompt_ids(chat, "ab") == [user, 0, 1, end, assistant]
     with pytest.raises(ValueError, match="not in the vocabulary"):
-        prompt_ids("book", plain, "abx")
+        prompt_ids(plain, "abx")
 
 
 def test_the_command_refuses_too_few_contexts(capsys: pytest.CaptureFixture[str]) -> None:

@@ -231,7 +231,7 @@ def test_greedy_text_equals_generate(page: Any, name: str) -> None:
     model, tokenizer, _ = _model(name)
     prompt = PROMPTS[name]
     assert _run(page, "return api.FIRST_PROMPTS[args[0]];", name) == prompt
-    ids = prompt_ids(name, tokenizer, prompt)
+    ids = prompt_ids(tokenizer, prompt)
     length = 20 if name == "sft-0" else 200
     got = _run(page, """
       const loaded = await api.session(args[0]);

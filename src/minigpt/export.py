@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from minigpt import chat
 from minigpt import model as model_module
 from minigpt.data import split_text
 from minigpt.decoding import generate
@@ -130,8 +131,9 @@ def held_out_contexts(tokenizer: CharTokenizer, n: int, max_length: int, *,
     ids = tokenizer.encode_ordinary(val_text)
     rng = np.random.default_rng(seed)
     lengths = [1, max_length, *rng.integers(1, max_length + 1, size=max(0, n - 2)).tolist()]
+    lengths = lengths[:n]
     starts = rng.integers(0, len(ids) - max_length, size=len(lengths)).tolist()
-    return [ids[s:s + t] for s, t in zip(starts, lengths[:n], strict=False)]
+    return [ids[s:s + t] for s, t in zip(starts, lengths, strict=True)]
 
 
 def check_onnx(path: Path, gpt: GPT, contexts: Sequence[Sequence[int]]) -> dict[str, float]:
@@ -168,25 +170,24 @@ def _chat_ids(tokenizer: CharTokenizer) -> dict[str, int] | None:
             "end": special[END_OF_TURN]}
 
 
-def prompt_ids(name: str, tokenizer: CharTokenizer, prompt: str) -> list[int]:
+def prompt_ids(tokenizer: CharTokenizer, prompt: str) -> list[int]:
     """The ids the playground feeds a model for ``prompt``: its characters, or, for the
-    assistant, the user's turn in the chat format followed by ``<|assistant|>``."""
-    chat = _chat_ids(tokenizer)
-    ids = tokenizer.encode_ordinary(prompt)
-    if chat is None:
-        return ids
-    return [chat["user"], *ids, chat["end"], chat["assistant"]]
+    assistant (a tokenizer with the chat tokens), the prompt as a user's turn followed by
+    ``<|assistant|>`` (`minigpt.chat.prompt_ids`)."""
+    if _chat_ids(tokenizer) is None:
+        return tokenizer.encode_ordinary(prompt)
+    return chat.prompt_ids([chat.Turn("user", prompt)], tokenizer)
 
 
-def greedy_sample(name: str, gpt: GPT, tokenizer: CharTokenizer, prompt: str,
+def greedy_sample(gpt: GPT, tokenizer: CharTokenizer, prompt: str,
                   length: int = SAMPLE_LENGTH) -> str:
     """The text the playground writes greedily after ``prompt``: ``length`` characters
     (the assistant stops at the end of its turn)."""
-    ids = prompt_ids(name, tokenizer, prompt)
+    ids = prompt_ids(tokenizer, prompt)
     new = generate(gpt, ids, length, greedy=True)[len(ids):].tolist()
-    chat = _chat_ids(tokenizer)
-    if chat is not None and chat["end"] in new:
-        new = new[:new.index(chat["end"])]
+    special = _chat_ids(tokenizer)
+    if special is not None and special["end"] in new:
+        new = new[:new.index(special["end"])]
     return tokenizer.decode(new)
 
 
@@ -209,7 +210,7 @@ def model_entry(name: str, gpt: GPT, tokenizer: CharTokenizer) -> dict[str, Any]
             "n_layers": c.n_layers, "n_heads": c.n_heads,
             "parameters": gpt.num_parameters(), "chat": _chat_ids(tokenizer),
             "prompt": PROMPTS[name],
-            "sample": greedy_sample(name, gpt, tokenizer, PROMPTS[name])}
+            "sample": greedy_sample(gpt, tokenizer, PROMPTS[name])}
 
 
 def export_playground(out: Path, *, contexts: int = 20) -> dict[str, Any]:
