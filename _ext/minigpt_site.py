@@ -19,10 +19,18 @@
 5. The interactive figures (`minigpt.viz.interactive_chart`): a page that shows one
    loads vega, vega-lite and vega-embed (copied from npm to _static/vega/ by the
    Makefile) and static/minigpt-charts.js, which draws them; other pages load none of it.
+6. The playground (a raw ``<div class="minigpt-playground">`` in a chapter): a page that
+   holds one loads static/minigpt-playground.js, which builds the form and, when the reader
+   first asks for text, onnxruntime-web and the models `make playground` exported
+   (_static/onnxruntime/, _static/playground/). Each playground gets its static twin here,
+   for paper and for a reader without scripts: a greedy sample of the model it opens with,
+   from playground.json.
 """
 
 from __future__ import annotations
 
+import html
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -61,6 +69,7 @@ def add_static_files(app: Sphinx, config: Config) -> None:
     app.add_css_file("minigpt-a11y.css")
     app.add_css_file("minigpt-print.css", media="print")
     app.add_css_file("minigpt-charts.css")
+    app.add_css_file("minigpt-playground.css")
 
 
 # Deferred, in this order, before the page's DOMContentLoaded: vega-embed needs vega and
@@ -76,6 +85,46 @@ def add_chart_scripts(app: Sphinx, pagename: str, templatename: str,
     if CHART_MARKER in str(context.get("body", "")):
         for number, script in enumerate(CHART_SCRIPTS):
             app.add_js_file(script, priority=800 + number, loading_method="defer")
+
+
+PLAYGROUND_MARKER = 'class="minigpt-playground"'
+PLAYGROUND_JSON = Path("_playground") / "playground" / "playground.json"
+_PLAYGROUND = re.compile(r'<div class="minigpt-playground"([^>]*)>\s*</div>')
+_DATA_MODEL = re.compile(r'data-model="([^"]+)"')
+
+
+def add_playground(app: Sphinx, pagename: str, templatename: str,
+                   context: dict[str, Any], doctree: Any) -> None:
+    """Load the playground's script on the pages that hold one, and fill each playground
+    with its static twin: the prompt and a greedy sample of its model."""
+    body = str(context.get("body", ""))
+    if PLAYGROUND_MARKER not in body:
+        return
+    app.add_js_file("minigpt-playground.js", priority=900, loading_method="defer")
+    path = Path(app.srcdir) / PLAYGROUND_JSON
+    if not path.is_file():
+        raise RuntimeError(f"{pagename} holds a playground but {path} is missing: "
+                           "run `make playground` (make book does) before building")
+    models = json.loads(path.read_text(encoding="utf-8"))["models"]
+
+    def twin(match: re.Match[str]) -> str:
+        attributes = match.group(1)
+        found = _DATA_MODEL.search(attributes)
+        model = models[found.group(1) if found else "book"]
+        label = html.escape(model["label"])
+        note = ("In the online edition this is a playground: the book's models write here, "
+                "in the reader's browser, from any prompt, with the temperature, top-k, "
+                "top-p and seed the reader chooses, and the attention of every layer and "
+                f"head over what they wrote is drawn. This is what the {label} writes "
+                "greedily (temperature 0):")
+        sample = (f'<pre class="minigpt-playground-sample"><span class="minigpt-playground-'
+                  f'prompt">{html.escape(model["prompt"])}</span>'
+                  f'{html.escape(model["sample"])}</pre>')
+        return (f'<div class="minigpt-playground"{attributes}>\n'
+                f'<div class="minigpt-playground-static">\n<p>{note}</p>\n{sample}\n'
+                f'</div>\n</div>')
+
+    context["body"] = _PLAYGROUND.sub(twin, body)
 
 
 # myst-nb labels the summary of a folded cell "Toggle hidden content" while it shows
@@ -143,5 +192,6 @@ def setup(app: Sphinx) -> dict[str, Any]:
     app.connect("html-page-context", offer_the_book_pdf, priority=600)
     app.connect("html-page-context", fix_markup)
     app.connect("html-page-context", add_chart_scripts)
+    app.connect("html-page-context", add_playground)
     app.connect("build-finished", fix_theme_markup)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

@@ -17,6 +17,7 @@ from minigpt.decoding import (
     beam_search,
     eval_mode,
     generate,
+    inverse_cdf,
     top_k_filter,
     top_p_filter,
 )
@@ -495,3 +496,25 @@ def test_generation_benchmark_tool_runs(capsys: pytest.CaptureFixture[str]) -> N
     assert bench.main(["--models", "book", "--rounds", "1"]) == 0
     out = capsys.readouterr().out
     assert "book: prompt 8 + 56 new tokens" in out and "same tokens: True" in out
+
+
+def test_inverse_cdf_picks_the_first_token_whose_cumulative_mass_exceeds_u() -> None:
+    probs = torch.tensor([0.0, 0.25, 0.0, 0.5, 0.25])
+    picks = [inverse_cdf(probs, u) for u in (0.0, 0.2499, 0.25, 0.74, 0.75, 0.999)]
+    assert picks == [1, 1, 3, 3, 4, 4]
+    # rounding that leaves the total below u: the last token of non-zero probability
+    assert inverse_cdf(torch.tensor([0.3, 0.3, 0.0]), 0.9) == 1
+
+
+def test_inverse_cdf_of_uniform_draws_follows_the_distribution() -> None:
+    probs = torch.softmax(torch.randn(7, generator=torch.Generator().manual_seed(0)), -1)
+    draws = torch.rand(20_000, generator=torch.Generator().manual_seed(1)).tolist()
+    counts = torch.bincount(torch.tensor([inverse_cdf(probs, u) for u in draws]),
+                            minlength=7)
+    assert torch.allclose(counts / len(draws), probs, atol=0.015)
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.0, float("nan")])
+def test_inverse_cdf_refuses_a_draw_outside_the_unit_interval(bad: float) -> None:
+    with pytest.raises(ValueError, match="u must"):
+        inverse_cdf(torch.tensor([0.5, 0.5]), bad)

@@ -274,3 +274,21 @@ def test_interactive_figures_print_as_first_drawn_without_controls() -> None:
     controls = [label for label in ("temperature τ:", "top-k:", "top-p ρ:", "offset k:",
                                     "position p:") if label in text]
     assert not controls, f"controls printed: {controls}"
+
+
+def test_playgrounds_print_as_their_static_twin() -> None:
+    """Each playground prints a note and its model's greedy sample, not its form."""
+    import json
+
+    page = _single_page()
+    playgrounds = page.count('<div class="minigpt-playground"')
+    assert playgrounds >= 3, playgrounds
+    text = _spaced("".join(pages()))
+    assert text.count("In the online edition this is a playground") == playgrounds
+    manifest = BOOK_ROOT / "_playground" / "playground" / "playground.json"
+    sample = json.loads(manifest.read_text(encoding="utf-8"))["models"]["book"]["sample"]
+    first_line = _spaced(sample.strip().splitlines()[0])
+    assert first_line in text, f"the greedy sample {first_line!r} is not in the PDF"
+    controls = [label for label in ("Temperature τ", "0: greedy")
+                if label in text]
+    assert not controls, f"the playground's controls printed: {controls}"

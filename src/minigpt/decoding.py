@@ -135,6 +135,25 @@ def next_token_distribution(logits: Tensor, *, temperature: float = 1.0,
     return torch.softmax(logits, dim=-1)
 
 
+def inverse_cdf(probs: Tensor, u: float) -> int:
+    """The token a uniform draw ``u`` in [0, 1) picks from ``probs`` (V,) by inverting its
+    cumulative distribution: the first token whose cumulative probability exceeds ``u``.
+
+    If rounding leaves the total at or below ``u``, the last token of non-zero probability.
+    (`generate` draws with `torch.multinomial`; the site's playground draws this way from
+    its own seeded generator.)
+    """
+    if probs.dim() != 1:
+        raise ValueError(f"probs must have shape (V,), got {tuple(probs.shape)}")
+    if not 0.0 <= _check_real("u", u) < 1.0:
+        raise ValueError(f"u must lie in [0, 1), got {u}")
+    cumulative = torch.cumsum(probs.double(), dim=0)
+    above = torch.nonzero(cumulative > u)
+    if len(above) > 0:
+        return int(above[0])
+    return int(torch.nonzero(probs > 0)[-1])
+
+
 @contextmanager
 def eval_mode(*models: nn.Module) -> Iterator[None]:
     """Run the block with ``models`` in eval mode (no dropout), then give each back the mode

@@ -1,0 +1,118 @@
+"""minigpt.export: the playground's ONNX graphs, checked with onnxruntime.
+
+A small random GPT of each layout is exported here (seconds); the book's three cached models
+are exported and checked by `make playground`, and run in the browser by
+tests/test_playground.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime
+import pytest
+import torch
+
+from minigpt import GPT, GPTConfig
+from minigpt.config import MODERN_LAYOUT
+from minigpt.export import WithAttention, check_onnx, export_onnx, main, prompt_ids
+from minigpt.tokenizer import CHAT_TOKENS, CharTokenizer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LAYOUTS = {"gpt2": {}, "modern": dict(MODERN_LAYOUT)}
+
+
+def _model(layout: str) -> GPT:
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=11, context_length=64, d_model=32, n_heads=4, n_layers=2,
+                       **LAYOUTS[layout])
+    model = GPT(config).eval()
+    if layout == "modern":  # zero-initialised projections would make every logit equal
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(0.05 * torch.randn_like(param))
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+def exported(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+             ) -> tuple[GPT, Path]:
+    model = _model(request.param)
+    return model, export_onnx(model, tmp_path_factory.mktemp("onnx") / "model.onnx")
+
+
+@pytest.mark.parametrize("length", [1, 2, 17, 64])
+def test_the_graph_is_the_model_at_every_length(exported: tuple[GPT, Path],
+                                                length: int) -> None:
+    model, path = exported
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    ids = torch.randint(0, 11, (1, length), generator=torch.Generator().manual_seed(length))
+    logits, attention = session.run(None, {"ids": ids.numpy()})
+    with torch.no_grad():
+        expected, maps = model.forward_with_attention(ids)
+    assert logits.shape == (1, length, 11)
+    assert attention.shape == (1, 2, 4, length, length)  # (B, L, H, T, T)
+    assert np.abs(logits - expected.numpy()).max() <= 1e-4
+    for layer, weights in enumerate(maps):
+        assert np.abs(attention[0, layer] - weights[0].numpy()).max() <= 1e-5
+
+
+def test_the_length_stays_dynamic(exported: tuple[GPT, Path]) -> None:
+    import onnx
+
+    _, path = exported
+    (graph_input,) = onnx.load(str(path)).graph.input
+    length = graph_input.type.tensor_type.shape.dim[1]
+    assert length.dim_param and not length.HasField("dim_value"), length
+
+
+def test_check_passes_on_the_model_and_fails_on_another(exported: tuple[GPT, Path]) -> None:
+    model, path = exported
+    contexts = [[1], list(range(11)) * 5, [3, 4]]
+    worst = check_onnx(path, model, contexts)
+    assert worst["logits"] <= 1e-4 and worst["attention"] <= 1e-5
+    other = _model("gpt2") if model.config.positional == "rope" else _model("modern")
+    with pytest.raises(AssertionError, match="differs from PyTorch"):
+        check_onnx(path, other, contexts)
+
+
+def test_the_written_out_attention_is_exported() -> None:
+    model = _model("gpt2")
+    logits, attention = WithAttention(model)(torch.tensor([[1, 2, 3]]))
+    rows = attention.sum(-1)
+    assert torch.allclose(rows, torch.ones_like(rows))
+    assert attention[..., 0, 1:].abs().max() == 0  # causal: the first query sees itself only
+
+
+@pytest.mark.parametrize("length", [0, 1, 65])
+def test_an_example_that_would_fix_the_length_is_refused(length: int,
+                                                         tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="example_length must lie in"):
+        export_onnx(_model("gpt2"), tmp_path / "m.onnx", example_length=length)
+
+
+def test_prompt_ids_use_the_chat_format_for_the_assistant() -> None:
+    plain = CharTokenizer("abc")
+    chat = CharTokenizer("abc", CHAT_TOKENS)
+    assert prompt_ids(plain, "cab") == [2, 0, 1]
+    user, assistant, end = (chat.special_tokens[t] for t in CHAT_TOKENS)
+    assert prompt_ids(chat, "ab") == [user, 0, 1, end, assistant]
+    with pytest.raises(ValueError, match="not in the vocabulary"):
+        prompt_ids(plain, "abx")
+
+
+def test_the_command_refuses_too_few_contexts(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["out", "--contexts", "1"])
+    assert "--contexts must be >= 2" in capsys.readouterr().err
+
+
+def test_the_graph_holds_no_path_of_the_machine_and_is_reproducible(
+        exported: tuple[GPT, Path], tmp_path: Path) -> None:
+    model, path = exported
+    data = path.read_bytes()
+    assert str(Path(__file__).resolve().parents[1]).encode() not in data
+    assert b".py" not in data, "the exporter's stack notes were kept"
+    assert export_onnx(model, tmp_path / "again.onnx").read_bytes() == data
