@@ -24,17 +24,15 @@ import logging
 import sys
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
 from minigpt import chat
-from minigpt import model as model_module
 from minigpt.data import split_text
 from minigpt.decoding import generate
 from minigpt.model import GPT
@@ -68,15 +66,6 @@ class WithAttention(nn.Module):
         return logits, torch.stack(maps, dim=1)
 
 
-@contextlib.contextmanager
-def _without_id_check() -> Iterator[None]:
-    # `GPT.forward` checks the ids' range on the host (a data-dependent branch) or with an
-    # assertion the ONNX exporter cannot translate; the page's tokenizer makes only ids of
-    # the vocabulary, so the graph goes without it.
-    with mock.patch.object(model_module, "_check_id_range", lambda ids, vocab_size: None):
-        yield
-
-
 def export_onnx(gpt: GPT, path: Path, *, example_length: int = 8) -> Path:
     """Write ``gpt`` as an ONNX graph with a dynamic length (1 to its context) to ``path``.
 
@@ -93,8 +82,7 @@ def export_onnx(gpt: GPT, path: Path, *, example_length: int = 8) -> Path:
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     try:
-        with _without_id_check(), warnings.catch_warnings(), \
-                contextlib.redirect_stdout(sys.stderr):
+        with warnings.catch_warnings(), contextlib.redirect_stdout(sys.stderr):
             warnings.simplefilter("ignore")
             torch.onnx.export(WithAttention(gpt.eval()), (example,), str(path),
                               input_names=["ids"], output_names=["logits", "attention"],
