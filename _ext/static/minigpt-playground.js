@@ -23,7 +23,7 @@
   // Each model's first prompt: minigpt.export.PROMPTS (tests/test_playground.py checks).
   const FIRST_PROMPTS = {"book": "ROMEO:\nBut soft, what light",
                          "modern": "ROMEO:\nBut soft, what light",
-                         "sft-0": "upper: thunder"};
+                         "sft-0": "upper: storm"};
 
   // ------------------------------------------------------------------- the sampler
   // Logits come as float32 from the model and are reshaped in float64.
@@ -424,7 +424,7 @@
     const form = element("form", {class: "minigpt-playground-form", novalidate: "",
                                   "aria-label": "Write with a model"}, [
       field(id + "-prompt", "Prompt", controls.prompt,
-            "the assistant answers a question such as 'upper: thunder'"),
+            "the assistant answers a question such as 'upper: storm'"),
       element("div", {class: "minigpt-playground-row"}, [
         field(id + "-model", "Model", controls.model),
         field(id + "-temperature", "Temperature τ", controls.temperature, "0: greedy"),

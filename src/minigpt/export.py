@@ -49,7 +49,7 @@ ATTENTION_TOLERANCE = 1e-5
 #: The prompts of the printed samples, and the playground's first prompts.
 PROMPTS: dict[str, str] = {"book": "ROMEO:\nBut soft, what light",
                            "modern": "ROMEO:\nBut soft, what light",
-                           "sft-0": "upper: thunder"}
+                           "sft-0": "upper: storm"}
 SAMPLE_LENGTH = 200
 
 
