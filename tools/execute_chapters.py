@@ -35,10 +35,12 @@ import baseline  # noqa: E402  (tools/baseline.py: the chapter list and the hash
 
 ROOT = baseline.ROOT
 CONFIG = ROOT / "_config.yml"
-# Seconds each chapter takes alone on a 2-core machine (a chapter not listed goes last).
-MEASURED_SECONDS = {"experiments": 67, "assistant": 61, "modern_gpt": 47, "training": 40,
-                    "sampling": 22, "intro": 19, "implementation": 15, "tokenisation": 15,
-                    "attention_heatmaps": 14}
+# Seconds each chapter took in a fresh `make test` on a 2-core AMD EPYC, two at a time
+# (the build's "executed in" lines; a chapter not listed goes last).
+MEASURED_SECONDS = {"experiments": 186, "modern_gpt": 96, "assistant": 92, "training": 76,
+                    "sampling": 27, "implementation": 20, "tokenisation": 17,
+                    "attention_heatmaps": 16, "positional_encodings": 7, "concept": 6,
+                    "notations": 5, "intro": 5}
 # Chapters that keep both cores busy for part of their run (the modern chapter's and the
 # experiments chapter's sweeps run two trainings at once). Two of them side by side took
 # longer than one after the other (110 s against 87 s), so at most one of them runs at a
