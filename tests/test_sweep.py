@@ -1,13 +1,18 @@
-"""minigpt.sweep: runs trained side by side equal the same runs trained one by one."""
+"""minigpt.sweep: runs trained side by side equal the same runs trained one by one; the
+paired t-test that reads an ablation."""
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from minigpt import GPTConfig
-from minigpt.sweep import RunPool, train_many
+from minigpt.sweep import RunPool, paired_difference, student_t_cdf, train_many
 from minigpt.train import TrainConfig, train
 
 DATA = np.random.default_rng(0).integers(0, 11, 4000).astype(np.uint16)
@@ -56,3 +61,61 @@ def test_bad_runs_and_worker_counts_are_refused() -> None:
     pool.close()
     with pytest.raises(RuntimeError, match="this RunPool is closed"):
         pool.train(_runs(range(1)))
+
+
+# Student's t has closed forms for one, two and three degrees of freedom.
+CLOSED_FORMS = {
+    1: lambda t: 0.5 + math.atan(t) / math.pi,
+    2: lambda t: 0.5 + t / (2 * math.sqrt(2 + t * t)),
+    3: lambda t: 0.5 + (t / math.sqrt(3) / (1 + t * t / 3) + math.atan(t / math.sqrt(3)))
+    / math.pi,
+}
+
+
+@given(st.floats(-1e6, 1e6), st.sampled_from(sorted(CLOSED_FORMS)))
+def test_t_cdf_equals_the_closed_forms(x: float, dof: int) -> None:
+    assert student_t_cdf(x, dof) == pytest.approx(CLOSED_FORMS[dof](x), abs=1e-10)
+
+
+@given(st.floats(-50, 50), st.integers(1, 200))
+def test_t_cdf_is_symmetric_and_increasing(x: float, dof: int) -> None:
+    assert student_t_cdf(-x, dof) == pytest.approx(1 - student_t_cdf(x, dof), abs=1e-12)
+    assert student_t_cdf(x + 0.5, dof) >= student_t_cdf(x, dof)
+    if abs(x) < 3:  # where the tails are not yet 1 or 0 to double precision
+        assert student_t_cdf(x + 0.5, dof) > student_t_cdf(x, dof)
+
+
+def test_t_cdf_at_tabled_quantiles() -> None:
+    # Two-sided 95 % and one-sided 95 % points of the usual t tables.
+    for dof, q, p in ((3, 2.353363, 0.95), (3, 3.182446, 0.975), (10, 2.228139, 0.975),
+                      (30, 1.697261, 0.95)):
+        assert student_t_cdf(q, dof) == pytest.approx(p, abs=1e-6)
+    assert student_t_cdf(math.inf, 4) == 1.0 and student_t_cdf(-math.inf, 4) == 0.0
+    normal = 0.5 * (1 + math.erf(1.5 / math.sqrt(2)))  # many degrees: the normal
+    assert student_t_cdf(1.5, 100_000) == pytest.approx(normal, abs=1e-5)
+
+
+def test_paired_difference_reads_the_pairs() -> None:
+    got = paired_difference([2.0, 2.5, 3.1, 2.2], [2.1, 2.7, 3.2, 2.2])
+    diff = np.array([-0.1, -0.2, -0.1, 0.0])
+    se = diff.std(ddof=1) / 2
+    assert got.mean == pytest.approx(diff.mean()) and got.se == pytest.approx(se)
+    assert got.t == pytest.approx(diff.mean() / se)
+    assert got.p_lower == pytest.approx(CLOSED_FORMS[3](got.t), abs=1e-10)
+    # The pairing matters: the same values against shuffled references are far noisier.
+    assert paired_difference([2.0, 2.5, 3.1, 2.2], [2.7, 2.1, 2.2, 3.2]).p_lower > 0.3
+    same = paired_difference([1.0, 2.0], [0.5, 1.5])
+    assert same.t == math.inf and same.p_lower == 1.0
+    assert math.isnan(paired_difference([1.0, 2.0], [1.0, 2.0]).t)
+
+
+def test_bad_input_to_the_t_test_is_refused() -> None:
+    with pytest.raises(ValueError, match="same length >= 2"):
+        paired_difference([1.0], [1.0])
+    with pytest.raises(ValueError, match="same length >= 2"):
+        paired_difference([1.0, 2.0], [1.0, 2.0, 3.0])
+    for dof in (0, 1.5, True):
+        with pytest.raises(ValueError, match="dof must be an int >= 1"):
+            student_t_cdf(1.0, dof)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="nan"):
+        student_t_cdf(math.nan, 3)
