@@ -80,7 +80,9 @@ def test_t_cdf_equals_the_closed_forms(x: float, dof: int) -> None:
 @given(st.floats(-50, 50), st.integers(1, 200))
 def test_t_cdf_is_symmetric_and_increasing(x: float, dof: int) -> None:
     assert student_t_cdf(-x, dof) == pytest.approx(1 - student_t_cdf(x, dof), abs=1e-12)
-    assert student_t_cdf(x + 0.5, dof) >= student_t_cdf(x, dof)
+    # increasing, up to the quadrature's error (about 1e-12) where both are within
+    # rounding of 1 or 0
+    assert student_t_cdf(x + 0.5, dof) >= student_t_cdf(x, dof) - 1e-12
     if abs(x) < 3:  # where the tails are not yet 1 or 0 to double precision
         assert student_t_cdf(x + 0.5, dof) > student_t_cdf(x, dof)
 
