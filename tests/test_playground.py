@@ -40,9 +40,9 @@ import numpy as np
 import pytest
 import torch
 
+from minigpt.assistant import MODELS
 from minigpt.decoding import generate, inverse_cdf, next_token_distribution
 from minigpt.export import EXPORTED, PROMPTS, held_out_contexts, prompt_ids
-from minigpt.pretrained import MODELS
 
 pytestmark = [pytest.mark.book, pytest.mark.browser, pytest.mark.usefixtures("one_thread")]
 

@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from minigpt import pretrained
+from minigpt import assistant, pretrained
 from minigpt.assets import MissingAssetError
 from minigpt.cli import main
 from minigpt.pretrained import MANIFEST_NAME, WEIGHTS_NAME, Recipe, load_or_build
@@ -201,7 +201,7 @@ def test_book_model_prints_nothing_whether_it_trains_or_loads(monkeypatch, capsy
 
 def test_the_command_trains_once_then_verifies(monkeypatch, capsys):
     monkeypatch.setattr(pretrained, "corpus", lambda: TEXT)
-    monkeypatch.setattr(pretrained, "MODELS", {
+    monkeypatch.setattr(assistant, "MODELS", {
         "tiny": lambda progress: pretrained.book_model(progress=progress, recipe=TINY)})
     assert main(["pretrained", "--quiet"]) == 0
     first = capsys.readouterr()
@@ -228,7 +228,7 @@ def test_the_command_logs_evaluations_but_no_bar_when_stderr_is_not_a_terminal(
         monkeypatch, capsys):
     # A CI runner's log gets a few lines, not a thousand redraws of a progress bar.
     monkeypatch.setattr(pretrained, "corpus", lambda: TEXT)
-    monkeypatch.setattr(pretrained, "MODELS", {
+    monkeypatch.setattr(assistant, "MODELS", {
         "tiny": lambda progress: pretrained.book_model(progress=progress, recipe=TINY)})
     assert main(["pretrained"]) == 0
     captured = capsys.readouterr()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -156,3 +157,14 @@ def dpo_model(*, beta: float | None = None, progress: bool = False,
                          dpo_version=DPO_VERSION)
     model, info = cached_model(material, build, progress=progress)
     return model, chat, info
+
+
+#: Every model set-up caches, by name (`python -m minigpt pretrained --only NAME`): the
+#: pre-trained ones (`minigpt.pretrained.MODELS`) and the assistants, the book model
+#: fine-tuned with three seeds and preference-tuned with the recipe's beta and, for the
+#: assistant chapter's sweep, two others.
+MODELS: dict[str, pretrained.Loader] = {
+    **pretrained.MODELS,
+    **{f"sft-{seed}": partial(sft_model, seed) for seed in (0, 1, 2)},
+    "dpo": dpo_model, "dpo-beta0.1": partial(dpo_model, beta=0.1),
+    "dpo-beta2": partial(dpo_model, beta=2.0)}

@@ -8,7 +8,7 @@
 Started by torchrun (`torchrun --nproc-per-node 2 -m minigpt sft ...`), sft and dpo train
 data-parallel, as `minigpt.train.train` does: each process takes a batch of its own every
 step and the gradients are averaged over all their answer tokens (sft) or pairs (dpo); rank
-0 evaluates and writes. ``--model NAME`` takes a cached model (`minigpt.pretrained.MODELS`:
+0 evaluates and writes. ``--model NAME`` takes a cached model (`minigpt.assistant.MODELS`:
 book, sft-0, dpo, ...) instead of a checkpoint. Bad input raises ValueError with what was
 wrong, which the command line prints as one line.
 """
@@ -25,7 +25,7 @@ from typing import Any, TextIO
 
 import torch
 
-from minigpt import pretrained
+from minigpt import assistant
 from minigpt.assets import atomic_write
 from minigpt.chat import ChatFormatError, Turn, prompt_ids, reply
 from minigpt.data import read_text, shakespeare_text
@@ -54,7 +54,7 @@ def add_commands(commands: Any) -> None:
         p.set_defaults(handler=handler)
         source = p.add_mutually_exclusive_group()
         source.add_argument("--checkpoint", type=Path, help="a run's folder (its checkpoint.pt)")
-        source.add_argument("--model", choices=sorted(pretrained.MODELS),
+        source.add_argument("--model", choices=sorted(assistant.MODELS),
                             help="a cached model (default: book for sft, sft-0 otherwise)")
         if name == "chat":
             p.add_argument("--max-new-tokens", type=int, default=32, help="longest answer")
@@ -89,7 +89,7 @@ def load_any(args: argparse.Namespace, default: str) -> tuple[GPT, Tokenizer, st
         model, tokenizer, _ = load_model(args.checkpoint)
         return model, tokenizer, args.checkpoint.name or str(args.checkpoint)
     name = args.model or default
-    model, tokenizer, _ = pretrained.MODELS[name]()
+    model, tokenizer, _ = assistant.MODELS[name]()
     return model, tokenizer, name
 
 

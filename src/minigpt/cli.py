@@ -19,7 +19,7 @@ import torch
 from pydantic import BaseModel, Field, ValidationError
 from tqdm import tqdm
 
-from minigpt import assets, assistant_cli, data, parallel, pretrained
+from minigpt import assets, assistant, assistant_cli, data, parallel
 from minigpt.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from minigpt.config import GPTConfig
 from minigpt.flags import add_model_flags, flag
@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--cache", type=Path, help="cache folder (default: $MINIGPT_CACHE "
                            "or ~/.cache/minigpt)")
         else:
-            p.add_argument("--only", choices=sorted(pretrained.MODELS), action="append",
+            p.add_argument("--only", choices=sorted(assistant.MODELS), action="append",
                            help="only this model (repeatable; default: all)")
             p.add_argument("--quiet", action="store_true", help="no progress bar")
     assistant_cli.add_commands(commands)
@@ -241,8 +241,8 @@ def _assets(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def _pretrained(args: argparse.Namespace, argv: list[str]) -> int:
-    for name in getattr(args, "only", None) or list(pretrained.MODELS):
-        model, _, info = pretrained.MODELS[name](progress=not getattr(args, "quiet", False))
+    for name in getattr(args, "only", None) or list(assistant.MODELS):
+        model, _, info = assistant.MODELS[name](progress=not getattr(args, "quiet", False))
         what = (f"trained in {info.metrics['total_seconds']:.0f} s" if info.built
                 else "loaded and verified")
         print(f"{name} model ({model.num_parameters():,} parameters, validation loss "

@@ -33,10 +33,11 @@ import torch
 from torch import Tensor, nn
 
 from minigpt import chat
+from minigpt.assistant import MODELS
 from minigpt.data import split_text
 from minigpt.decoding import generate
 from minigpt.model import GPT
-from minigpt.pretrained import BOOK_RECIPE, MODELS, corpus, threads
+from minigpt.pretrained import BOOK_RECIPE, corpus, threads
 from minigpt.tokenizer import ASSISTANT, END_OF_TURN, USER, CharTokenizer
 
 #: The exported models, by their cache name, and what the playground calls them.

@@ -371,21 +371,6 @@ def draft_model(*, progress: bool = False) -> tuple[GPT, CharTokenizer, ModelInf
 #: What `MODELS` holds: a function that loads (or, once, trains) a cached model.
 Loader = Callable[..., tuple[GPT, CharTokenizer, ModelInfo]]
 
-
-def _assistant(maker: str, **settings: Any) -> Loader:
-    """`minigpt.assistant`'s ``maker`` (sft_model or dpo_model) with ``settings``."""
-    def make(*, progress: bool = False) -> tuple[GPT, CharTokenizer, ModelInfo]:
-        from minigpt import assistant  # downstream of this module: imported late
-
-        return getattr(assistant, maker)(progress=progress, **settings)  # type: ignore[no-any-return]
-    return make
-
-
-#: Every cached model by name (`python -m minigpt pretrained --only NAME`); the assistants
-#: (the book model fine-tuned with three seeds, and preference-tuned with the recipe's beta
-#: and, for the assistant chapter's sweep, two others) are made by `minigpt.assistant`.
-MODELS: dict[str, Loader] = {
-    "book": book_model, "draft": draft_model, "modern": modern_model,
-    **{f"sft-{seed}": _assistant("sft_model", seed=seed) for seed in (0, 1, 2)},
-    "dpo": _assistant("dpo_model"), "dpo-beta0.1": _assistant("dpo_model", beta=0.1),
-    "dpo-beta2": _assistant("dpo_model", beta=2.0)}
+#: The pre-trained models by name. The assistants made from the book model are
+#: `minigpt.assistant`'s, and `minigpt.assistant.MODELS` lists these and those together.
+MODELS: dict[str, Loader] = {"book": book_model, "draft": draft_model, "modern": modern_model}

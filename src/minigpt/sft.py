@@ -5,28 +5,20 @@ tokens into an `ExampleSet` whose mask marks what the assistant says; the traini
 `minigpt.train.train`'s, whose loss counts the masked targets only (`masked_lm_loss`) and
 whose accumulated micro-batches are weighted by their share of answer tokens (`train_step`).
 
-    python -m minigpt.sft --steps 1500
-
-fine-tunes the book's model on the task families and prints each family's exact match on
-the held-out tasks, the base model's (prompted with solved examples) beside it.
+The command line's `python -m minigpt sft` fine-tunes with it (`minigpt.assistant_cli`),
+and so does set-up's `minigpt.assistant.sft_model`.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
-import time
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from minigpt.chat import add_chat_tokens, encode_conversation
-from minigpt.data import ExampleSet, shakespeare_text
+from minigpt.data import ExampleSet
 from minigpt.model import GPT
-from minigpt.pretrained import book_model
-from minigpt.tasks import FAMILIES, Task, exact_match, make_tasks
+from minigpt.tasks import Task
 from minigpt.tokenizer import END_OF_TURN, BPETokenizer, CharTokenizer, Tokenizer
 from minigpt.train import TrainConfig, TrainResult, train
 
@@ -77,40 +69,3 @@ def text_windows(text: str, n: int, length: int, *, seed: int = 0) -> list[str]:
                          f"n={n}, length={length}")
     rng = random.Random(seed)
     return [text[i:i + length] for i in (rng.randrange(len(text) - length) for _ in range(n))]
-
-
-def compare(steps: int, *, n_train: int = 2000, n_test: int = 200, seed: int = 0,
-            families: Sequence[str] = tuple(FAMILIES), **training: Any) -> dict[str, Any]:
-    """The book model's held-out exact match per task family: the base model prompted with
-    solved examples, and after ``steps`` steps of fine-tuning on ``n_train`` tasks a family
-    (with `SFT_TRAINING`'s settings, under ``training``)."""
-    base, tokenizer, _ = book_model()
-    tasks = make_tasks(shakespeare_text(), n_train, n_test, seed=seed, families=families)
-    before = exact_match(base, tokenizer, tasks.test, shots=tasks.train)
-    config = TrainConfig(**(SFT_TRAINING | dict(max_steps=steps, seed=seed) | training))
-    start = time.perf_counter()
-    result, chat = finetune(base, tokenizer, tasks.train, tasks.test, config, progress=False)
-    seconds = time.perf_counter() - start
-    after = exact_match(result.model, chat, tasks.test)
-    return {"steps": steps, "seed": seed, "train_seconds": round(seconds, 1),
-            "final_val_loss": result.metrics["final_val_loss"],
-            "few_shot": before, "fine_tuned": after}
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m minigpt.sft", description=compare.__doc__)
-    parser.add_argument("--steps", type=int, default=1500)
-    parser.add_argument("--n-train", type=int, default=2000)
-    parser.add_argument("--n-test", type=int, default=200)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--lr", type=float, default=SFT_TRAINING["lr"])
-    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    out = compare(args.steps, n_train=args.n_train, n_test=args.n_test, seed=args.seed,
-                  families=args.families, lr=args.lr, min_lr=args.lr / 10)
-    print(json.dumps(out, indent=1))
-
-
-if __name__ == "__main__":
-    main()
