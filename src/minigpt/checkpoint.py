@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from minigpt.assets import atomic_file
+from minigpt.files import atomic_file
 
 CHECKPOINT_NAME = "checkpoint.pt"
 #: 2 added ``world_size`` and one random state per process; format 1 files read as one process.
@@ -36,7 +36,7 @@ def save_checkpoint(path: Path | str, payload: dict[str, Any]) -> Path:
 
     The bytes go to a temporary file in the same folder, are flushed to disk, and replace
     ``path`` in one rename, so a crash mid-write never leaves a torn checkpoint
-    (`minigpt.assets.atomic_file`).
+    (`minigpt.files.atomic_file`).
     """
     missing = _ENTRIES - {"format"} - set(payload)
     if missing:

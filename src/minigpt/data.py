@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from minigpt.assets import atomic_write, cache_dir, plays_dir
+from minigpt.assets import plays_dir
+from minigpt.files import atomic_write, cache_dir
 
 if TYPE_CHECKING:
     from minigpt.tokenizer import Tokenizer

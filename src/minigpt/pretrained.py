@@ -7,7 +7,7 @@ fixed number of threads, so that every build on a machine yields the same weight
 
 Set-up (`python -m minigpt pretrained`, run by `make setup`) trains it (a few minutes on a
 2-core CPU, with a progress display) and stores it under `<cache>/models/<key>/` (the cache
-root is `minigpt.assets.cache_dir()`); a chapter's call then only loads it. Called from a
+root is `minigpt.files.cache_dir()`); a chapter's call then only loads it. Called from a
 chapter, `book_model()` prints nothing whether it loads or trains (a reader who skipped
 set-up waits a few minutes, and sees the same outputs): only `logging` at INFO says which.
 The cached model is two files:
@@ -49,9 +49,9 @@ import torch
 from filelock import FileLock
 from tqdm import tqdm
 
-from minigpt.assets import atomic_write, cache_dir, sha256_file
 from minigpt.config import MODERN_LAYOUT, GPTConfig
 from minigpt.data import shakespeare_text, split_text
+from minigpt.files import atomic_write, cache_dir, sha256_file
 from minigpt.model import GPT
 from minigpt.tokenizer import CharTokenizer
 from minigpt.train import MODERN_TRAINING, TrainConfig, train

@@ -34,11 +34,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor, nn
 from tqdm import tqdm  # plain text bar: works in a terminal and a notebook alike
 
-from minigpt.assets import atomic_write
 from minigpt.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
 from minigpt.config import GPTConfig
 from minigpt.data import ExampleSet
 from minigpt.decoding import eval_mode
+from minigpt.files import atomic_write
 from minigpt.model import GPT
 from minigpt.parallel import (
     DistContext,
