@@ -5,6 +5,8 @@ and a temporary cache root (MINIGPT_CACHE), so the real cache is never touched.
 """
 
 import json
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -243,3 +245,28 @@ def test_the_command_has_help(capsys):
     assert main(["pretrained", "--help"]) == 0
     out = capsys.readouterr().out
     assert "usage: python -m minigpt pretrained" in out and "--only" in out
+
+
+@pytest.mark.parametrize(("module", "listed"), [
+    ("minigpt.pretrained", pretrained.TRAINING_MODULES),
+    ("minigpt.assistant", assistant.ASSISTANT_MODULES),
+])
+def test_the_cache_key_hashes_every_module_that_trains(module: str,
+                                                       listed: tuple[str, ...]) -> None:
+    # The package's modules that importing `module` loads, in a fresh interpreter: the code
+    # its models are trained by, whose source must be in their cache key.
+    loaded = subprocess.run(
+        [sys.executable, "-c", f"import sys, {module}; print(*sorted(sys.modules))"],
+        capture_output=True, text=True, check=True).stdout.split()
+    names = {"__init__" if m == "minigpt" else m.removeprefix("minigpt.")
+             for m in loaded if m == "minigpt" or m.startswith("minigpt.")}
+    assert names == set(listed)
+
+
+def test_the_cache_key_holds_the_training_source() -> None:
+    material = pretrained.key_material(pretrained.DRAFT_RECIPE, "to be or not to be")
+    assert material["source_sha256"] == pretrained.source_sha256(pretrained.TRAINING_MODULES)
+    # a module more, or another order, is another hash
+    assert pretrained.source_sha256(("nn", "model")) != pretrained.source_sha256(("nn",))
+    assert pretrained.source_sha256(("nn", "model")) != pretrained.source_sha256(
+        ("model", "nn"))

@@ -31,10 +31,10 @@ from minigpt.tasks import TaskSplit, exact_match, make_tasks
 from minigpt.tokenizer import CHAT_TOKENS, CharTokenizer, with_special_tokens
 from minigpt.train import TrainConfig
 
-#: Bump when the way the assistants are made changes in a way their key does not see.
-ASSISTANT_VERSION = 2  # 2: the tasks come from the training text only
-#: The same for the DPO models alone (2: the reference scores a pair when it is first read).
-DPO_VERSION = 2
+#: The package's modules that importing this one loads; their source is part of every
+#: assistant's cache key, as `pretrained.TRAINING_MODULES`' is of the base model's.
+ASSISTANT_MODULES = tuple(sorted({*pretrained.TRAINING_MODULES, "assistant", "chat", "dpo",
+                                  "sft", "tasks"}))
 #: The training seeds of the cached fine-tuned models.
 SFT_SEEDS = (0, 1, 2)
 
@@ -85,8 +85,8 @@ def assistant_tasks(recipe: AssistantRecipe = ASSISTANT_RECIPE) -> TaskSplit:
 
 def _material(kind: str, parent: ModelInfo, model_config: dict[str, Any],
               config: TrainConfig, recipe: AssistantRecipe, **more: Any) -> dict[str, Any]:
-    return {"assistant_version": ASSISTANT_VERSION, "kind": kind, "parent": parent.key,
-            "model_config": model_config, "train_config": config.model_dump(),
+    return {"source_sha256": pretrained.source_sha256(ASSISTANT_MODULES), "kind": kind,
+            "parent": parent.key, "model_config": model_config, "train_config": config.model_dump(),
             "tasks": [recipe.n_train, recipe.n_test, recipe.task_seed],
             "replay": [recipe.replay, recipe.replay_chars],
             "threads": recipe.threads, **pretrained.environment()} | more
@@ -153,8 +153,7 @@ def dpo_model(*, beta: float | None = None, progress: bool = False,
         return result.model, metrics, asdict(result.history)
 
     material = _material("dpo", sft_info, policy.config.model_dump(), config, recipe,
-                         beta=recipe.beta, pair_seed=recipe.pair_seed,
-                         dpo_version=DPO_VERSION)
+                         beta=recipe.beta, pair_seed=recipe.pair_seed)
     model, info = cached_model(material, build, progress=progress)
     return model, chat, info
 
@@ -165,6 +164,6 @@ def dpo_model(*, beta: float | None = None, progress: bool = False,
 #: assistant chapter's sweep, two others.
 MODELS: dict[str, pretrained.Loader] = {
     **pretrained.MODELS,
-    **{f"sft-{seed}": partial(sft_model, seed) for seed in (0, 1, 2)},
+    **{f"sft-{seed}": partial(sft_model, seed) for seed in SFT_SEEDS},
     "dpo": dpo_model, "dpo-beta0.1": partial(dpo_model, beta=0.1),
     "dpo-beta2": partial(dpo_model, beta=2.0)}

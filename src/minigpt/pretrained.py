@@ -18,7 +18,8 @@ The cached model is two files:
 
 The key is a hash of everything that determines the weights: the model configuration, the
 training settings (seed included), the corpus's sha256, the tokenizer, the split, the thread
-count, the PyTorch version, the CPU kernels it runs and `RECIPE_VERSION`. Later calls load
+count, the PyTorch version, the CPU kernels it runs and the source of the package's modules
+that train it (`TRAINING_MODULES`: any change to their code rebuilds it). Later calls load
 the cache in seconds, with `torch.load(weights_only=True)`, after checking it: a manifest
 that is unreadable or describes another recipe, a weights file whose hash differs from the
 manifest's or that does not load into the model, is reported (a `RuntimeWarning` and a log
@@ -58,9 +59,11 @@ from minigpt.train import MODERN_TRAINING, TrainConfig, train
 
 log = logging.getLogger(__name__)
 
-#: Bump when the way the model is made changes in a way the key does not see (e.g. a change
-#: of `train`'s loop); every cached model is then rebuilt.
-RECIPE_VERSION = 2  # 2: LayerNorm runs F.layer_norm (use_fused), not the written-out ops
+#: The package's modules that importing this one loads: the code that trains a model. Their
+#: source is part of the cache key (`source_sha256`), so a change to any of them rebuilds the
+#: models (tests/test_pretrained.py checks that the list is what importing this module loads).
+TRAINING_MODULES = ("__init__", "assets", "checkpoint", "config", "data", "decoding", "files",
+                    "model", "nn", "parallel", "pretrained", "tokenizer", "train")
 #: Optimiser steps of the modern book model.
 MODERN_BOOK_STEPS = 400
 WEIGHTS_NAME = "model.pt"
@@ -159,7 +162,7 @@ def key_material(recipe: Recipe, text: str) -> dict[str, Any]:
     """Everything that determines the trained weights, as plain JSON-able data."""
     tokenizer = CharTokenizer.from_text(text)
     return {
-        "recipe_version": RECIPE_VERSION,
+        "source_sha256": source_sha256(TRAINING_MODULES),
         "model_config": recipe.gpt_config(tokenizer.vocab_size).model_dump(),
         "train_config": recipe.training.model_dump(),
         "train_fraction": recipe.train_fraction,
@@ -168,6 +171,16 @@ def key_material(recipe: Recipe, text: str) -> dict[str, Any]:
         "tokenizer": tokenizer.to_dict(),
         **environment(),
     }
+
+
+def source_sha256(modules: tuple[str, ...]) -> str:
+    """sha256 of the source of these modules of the package (names and bytes, in order)."""
+    digest = hashlib.sha256()
+    for name in modules:
+        source = (Path(__file__).parent / f"{name}.py").read_bytes()
+        digest.update(f"\0{name}\0{len(source)}\0".encode())
+        digest.update(source)
+    return digest.hexdigest()
 
 
 def environment() -> dict[str, str]:
