@@ -252,6 +252,8 @@ def test_without_torchrun_one_process(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
     ctx = init_distributed("cpu")
     assert (ctx.rank, ctx.world_size, ctx.is_main, ctx.distributed) == (0, 1, True, False)
+    # TF32 is a GPU setting: on a CPU, float32 products stay at the highest precision
+    assert torch.get_float32_matmul_precision() == "highest"
     monkeypatch.setenv("RANK", "x")
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")

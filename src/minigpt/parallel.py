@@ -91,10 +91,14 @@ def init_distributed(device: str = "cpu", backend: str | None = None) -> DistCon
     """Join the process group described by the environment (set by torchrun), or return a
     single-process context when there is none (or WORLD_SIZE is 1).
 
-    On CUDA, rank r of a machine uses GPU ``LOCAL_RANK``. Raises `DistributedError` with
-    the setting to change when the backend, the GPUs or the rendezvous cannot work.
+    On CUDA, rank r of a machine uses GPU ``LOCAL_RANK``, and float32 matrix products may
+    use TF32 (``torch.set_float32_matmul_precision("high")``), as GPU training recipes do; on
+    a CPU nothing changes. Raises `DistributedError` with the setting to change when the
+    backend, the GPUs or the rendezvous cannot work.
     """
     dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.set_float32_matmul_precision("high")
     if not all(name in os.environ for name in ENV_VARS) or _env_int("WORLD_SIZE") <= 1:
         return DistContext(device=dev)
     rank, local_rank, world = (_env_int(name) for name in ENV_VARS)
