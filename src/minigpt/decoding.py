@@ -60,11 +60,7 @@ def apply_temperature(logits: Tensor, temperature: float) -> Tensor:
     Returns:
         A new tensor (..., V).
     """
-    if not temperature > 0.0:  # NaN too
-        raise ValueError(
-            f"temperature must be > 0 to rescale logits, got {temperature}; "
-            "generate() treats temperature=0 as greedy decoding"
-        )
+    assert temperature > 0.0, f"temperature must be > 0, got {temperature} (0 is greedy)"
     return logits / temperature
 
 
@@ -81,9 +77,7 @@ def top_k_filter(logits: Tensor, k: int) -> Tensor:
     Returns:
         A new tensor (..., V), -inf outside the top k.
     """
-    vocab_size = logits.shape[-1]
-    if not 1 <= k <= vocab_size:
-        raise ValueError(f"top_k must lie in [1, V] = [1, {vocab_size}], got {k}")
+    assert 1 <= k <= logits.shape[-1], f"top_k must lie in [1, V], got {k}"
     kth_largest = torch.topk(logits, k, dim=-1).values[..., -1:]  # (..., 1)
     return logits.masked_fill(logits < kth_largest, float("-inf"))
 
@@ -103,8 +97,7 @@ def top_p_filter(logits: Tensor, p: float) -> Tensor:
     Returns:
         A new tensor (..., V), -inf outside the nucleus.
     """
-    if not 0.0 < p <= 1.0:  # NaN too
-        raise ValueError(f"top_p must lie in (0, 1], got {p}")
+    assert 0.0 < p <= 1.0, f"top_p must lie in (0, 1], got {p}"
     if p == 1.0:
         # Rounding in the cumulative sum could drop the least likely tokens.
         return logits.clone()
