@@ -61,12 +61,10 @@ class AssistantRecipe:
     n_train: int = 2000
     n_test: int = 200
     task_seed: int = 0
-    sft: TrainConfig = field(default_factory=lambda: TrainConfig(**(SFT_TRAINING | dict(
-        max_steps=600, lr=1e-3, min_lr=1e-4))))
+    sft: TrainConfig = field(default_factory=lambda: TrainConfig(**SFT_TRAINING))
     replay: int = 500
     replay_chars: int = 40
-    dpo: TrainConfig = field(default_factory=lambda: TrainConfig(**(DPO_TRAINING | dict(
-        max_steps=100, lr=3e-5, min_lr=3e-6))))
+    dpo: TrainConfig = field(default_factory=lambda: TrainConfig(**DPO_TRAINING))
     beta: float = 0.5
     pair_seed: int = 0
     threads: int = 1

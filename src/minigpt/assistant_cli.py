@@ -74,8 +74,8 @@ def _task_flags(p: argparse.ArgumentParser, name: str) -> None:
     p.add_argument("--out", type=Path, required=True, help="folder for checkpoint.pt and "
                    "metrics.json")
     defaults = SFT_TRAINING if name == "sft" else DPO_TRAINING
-    p.add_argument("--steps", type=int, default=600 if name == "sft" else 100)
-    p.add_argument("--lr", type=float, default=1e-3 if name == "sft" else 3e-5)
+    p.add_argument("--steps", type=int, default=defaults["max_steps"])
+    p.add_argument("--lr", type=float, default=defaults["lr"])
     p.add_argument("--seed", type=int, default=defaults["seed"], help="training seed")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     if name == "dpo":

@@ -22,10 +22,11 @@ from minigpt.tasks import Task
 from minigpt.tokenizer import END_OF_TURN, BPETokenizer, CharTokenizer, Tokenizer
 from minigpt.train import TrainConfig, TrainResult, train
 
-#: Fine-tuning settings for the book model: a lower peak rate than pre-training's, a short
-#: warm-up, and larger batches (a sequence holds one short answer).
+#: The fine-tuning recipe of the book's assistants (set-up's and the command line's): 600
+#: steps at pre-training's peak rate with a short warm-up, larger batches (a sequence holds
+#: one short answer) and no weight decay.
 SFT_TRAINING: dict[str, Any] = dict(
-    batch_size=32, lr=5e-4, min_lr=5e-5, warmup_steps=50, weight_decay=0.0,
+    batch_size=32, max_steps=600, lr=1e-3, min_lr=1e-4, warmup_steps=50, weight_decay=0.0,
     eval_interval=250, eval_steps=10, seed=1337)
 
 
