@@ -39,27 +39,12 @@ def test_ids_on_a_gpu_are_checked_without_reading_them_on_the_host():
         assert model(ids.to("meta")).shape == (1, 3, 16)
 
 
-def test_device_side_check_fails_exactly_on_out_of_range_ids(debug_model, monkeypatch):
-    # The device-side branch, run on the CPU (where torch._assert_async raises at once,
-    # with its message): its condition and message are the ones a GPU run would assert.
-    # Untested here: CUDA's own kernel, which reports the message at the next sync.
-    import minigpt.model
-
-    calls = []
-    real = torch._assert_async
-
-    def spy(condition, message):
-        calls.append(condition.device.type)
-        real(condition, message)
-
-    monkeypatch.setattr(minigpt.model, "_ASYNC_CHECK_DEVICES", ("cpu",))
-    monkeypatch.setattr(torch, "_assert_async", spy)
-    assert debug_model(torch.tensor([[0, 15, 7]])).shape == (1, 3, 16)
-    for bad in ([[3, 16, 1]], [[-1, 2, 3]]):
-        with pytest.raises(RuntimeError, match=r"token id is out of range: ids must lie in "
-                                               r"\[0, 16\) \(the vocabulary size\)"):
-            debug_model(torch.tensor(bad))
-    assert calls == ["cpu", "cpu", "cpu"]
+def test_ids_off_the_cpu_are_not_read_by_the_forward_pass():
+    # On a meta tensor (standing in for a GPU's) the check would have to read values the
+    # host does not have: the forward pass leaves them to the embedding and runs.
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.debug()).to("meta")
+    assert model(torch.full((1, 3), 16, device="meta")).shape == (1, 3, 16)
 
 
 def test_activation_reaches_every_block():

@@ -13,6 +13,7 @@ import torch
 
 from minigpt import GPT, GPTConfig
 from minigpt.checkpoint import load_checkpoint
+from minigpt.data import ExampleSet
 from minigpt.parallel import DistContext
 from minigpt.tokenizer import CharTokenizer, train_bpe
 from minigpt.train import (
@@ -274,6 +275,15 @@ def test_train_accepts_a_model(data: tuple[np.ndarray, np.ndarray]) -> None:
     [
         (lambda d: train(tiny_config(), run_config(), d[0][:8], d[1], progress=False),
          ValueError, r"train_data has 8 tokens; it needs more than context_length=8"),
+        (lambda d: train(tiny_config(), run_config(), d[0], np.append(d[1], V),
+                         progress=False),
+         ValueError, rf"val_data holds token id {V}; the model's ids lie in \[0, {V}\)"),
+        (lambda d: train(tiny_config(), run_config(), d[0].astype(np.int64) - 1, d[1],
+                         progress=False),
+         ValueError, r"train_data holds token id -1"),
+        (lambda d: train(tiny_config(), run_config(),
+                         ExampleSet([[1, 2, V]], [[False, True, True]]), d[1], progress=False),
+         ValueError, rf"train_data holds token id {V}"),
         (lambda d: train(tiny_config(), run_config(), *d, resume=True, progress=False),
          ValueError, "resume=True needs out_dir"),
         (lambda d: train(tiny_config(), run_config(), *d, stop_at=-1, progress=False),
@@ -412,7 +422,8 @@ def test_a_compiled_model_still_refuses_out_of_range_ids() -> None:
     torch._dynamo.reset()
     model = torch.compile(GPT(tiny_config()))
     assert model(torch.randint(0, V, (2, 8))).shape == (2, 8, V)
-    with pytest.raises(RuntimeError, match=rf"token id is out of range.*\[0, {V}\)"):
+    # the compiled embedding's own bounds check (the Python check is not compiled in)
+    with pytest.raises(RuntimeError, match=rf"index out of bounds: 0 <= \w+ < {V}"):
         model(torch.full((2, 8), V))
 
 

@@ -859,7 +859,22 @@ def _build_model(model: GPT | GPTConfig, config: TrainConfig,
         elif len(data) <= T:
             raise ValueError(f"{name} has {len(data)} tokens; it needs more than "
                              f"context_length={T}")
+        _check_data_ids(name, data, model.config.vocab_size)
     return model
+
+
+def _check_data_ids(name: str, data: np.ndarray | ExampleSet, vocab_size: int) -> None:
+    """Every id of the data lies in [0, vocab_size): checked once here, where the data enter,
+    since the forward pass checks ids only on the CPU (`minigpt.model._check_id_range`)."""
+    if isinstance(data, ExampleSet):
+        low = min(int(s.min()) for s in data.sequences)
+        high = max(int(s.max()) for s in data.sequences)
+    else:
+        low, high = int(np.min(data)), int(np.max(data))
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise ValueError(f"{name} holds token id {bad}; the model's ids lie in "
+                         f"[0, {vocab_size}) (its vocab_size)")
 
 
 def _metrics(history: History, config: TrainConfig, model: GPT, total_seconds: float,
