@@ -26,18 +26,9 @@ from minigpt.nn import (
     apply_rope,
     rope_angles,
 )
+from minigpt.optim import Muon, muon_and_adamw_parameters, newton_schulz, trapezoid_lr_at
 from minigpt.speculative import speculative_generate
-from minigpt.train import (
-    Muon,
-    MuonAdamW,
-    TrainConfig,
-    muon_and_adamw_parameters,
-    newton_schulz,
-    schedule_lr,
-    set_lr,
-    train,
-    trapezoid_lr_at,
-)
+from minigpt.train import MuonAdamW, TrainConfig, schedule_lr, set_lr, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -23,6 +23,7 @@ import torch
 from minigpt import GPT, GPTConfig
 from minigpt.cli import main
 from minigpt.data import ExampleSet
+from minigpt.optim import configure_optimizer
 from minigpt.parallel import (
     DistContext,
     DistributedError,
@@ -32,7 +33,7 @@ from minigpt.parallel import (
     mean_over_ranks,
     rank_batch,
 )
-from minigpt.train import configure_optimizer, train_step
+from minigpt.train import train_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -42,7 +43,8 @@ STEP_SCRIPT = textwrap.dedent("""
     import sys, torch
     from minigpt import GPT, GPTConfig
     from minigpt.parallel import init_distributed, shutdown, wrap_model
-    from minigpt.train import configure_optimizer, train_step
+    from minigpt.optim import configure_optimizer
+    from minigpt.train import train_step
     torch.set_num_threads(1)
     ctx = init_distributed("cpu")
     torch.manual_seed(0)
@@ -344,7 +346,8 @@ NO_SYNC_SCRIPT = textwrap.dedent("""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from minigpt import GPT, GPTConfig
     from minigpt.parallel import init_distributed, shutdown
-    from minigpt.train import configure_optimizer, train_step, trainee_of
+    from minigpt.optim import configure_optimizer
+    from minigpt.train import train_step, trainee_of
     torch.set_num_threads(1)
     ctx = init_distributed("cpu")
     counts = {}

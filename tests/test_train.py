@@ -14,16 +14,15 @@ import torch
 from minigpt import GPT, GPTConfig
 from minigpt.checkpoint import load_checkpoint
 from minigpt.data import ExampleSet
+from minigpt.optim import configure_optimizer, lr_at
 from minigpt.parallel import DistContext
 from minigpt.tokenizer import CharTokenizer, train_bpe
 from minigpt.train import (
     History,
     TrainConfig,
     bits_per_character,
-    configure_optimizer,
     estimate_loss,
     full_loss,
-    lr_at,
     restore,
     resume_run,
     save_run,

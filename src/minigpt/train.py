@@ -1,4 +1,4 @@
-"""Training a GPT: optimiser groups, learning-rate schedule, the loop, checkpoints.
+"""Training a GPT: the run's configuration, the loop, its losses and checkpoints.
 
 The loop is nanoGPT's in substance: AdamW with weight decay on the matrices only, a
 linear warm-up then a cosine decay to a floor, gradient clipping, optional gradient
@@ -40,6 +40,13 @@ from minigpt.data import ExampleSet
 from minigpt.decoding import eval_mode
 from minigpt.files import atomic_write
 from minigpt.model import GPT
+from minigpt.optim import (
+    Muon,
+    configure_optimizer,
+    lr_at,
+    muon_and_adamw_parameters,
+    trapezoid_lr_at,
+)
 from minigpt.parallel import (
     DistContext,
     barrier,
@@ -192,68 +199,8 @@ MODERN_TRAINING: dict[str, Any] = dict(
 )
 
 # ------------------------------------------------------------------ optimiser and schedule
-
-
-def configure_optimizer(
-    model: nn.Module | list[nn.Parameter], *, lr: float, weight_decay: float,
-    betas: tuple[float, float] = (0.9, 0.99),
-) -> torch.optim.AdamW:
-    """AdamW with two parameter groups: decay for tensors of dim >= 2, none
-    for the rest.
-
-    Matrices (linear weights, embeddings) are decayed; biases and layer-norm
-    gains are not, since shrinking a gain or an offset towards 0 is no
-    regulariser of the function's complexity. Tied weights appear once
-    (``model.parameters()`` de-duplicates them). The fused kernel (one pass
-    over all tensors) is used; PyTorch has it on CPU and CUDA. A list of parameters
-    may stand for the model.
-    """
-    params = model if isinstance(model, list) else list(model.parameters())
-    params = [p for p in params if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2],
-         "weight_decay": weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=True)
-
-
-def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int,
-          decay_steps: int) -> float:
-    """The learning rate of optimiser step ``step`` (counted from 0).
-
-    * warm-up, step < warmup_steps: linear, lr * (step + 1) / warmup_steps,
-      so the first step already moves and step warmup_steps - 1 uses lr;
-    * decay, warmup_steps <= step <= decay_steps: cosine from lr to min_lr,
-      min_lr + (lr - min_lr) * (1 + cos(pi * r)) / 2 with
-      r = (step - warmup_steps) / (decay_steps - warmup_steps);
-    * after decay_steps: min_lr.
-    """
-    if step < warmup_steps:
-        return lr * (step + 1) / warmup_steps
-    if step >= decay_steps:
-        return min_lr
-    ratio = (step - warmup_steps) / (decay_steps - warmup_steps)
-    return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * ratio))
-
-
-def trapezoid_lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int,
-                    decay_steps: int, cooldown_fraction: float) -> float:
-    """Warm-up, stable, decay: the learning rate of step ``step`` (counted from 0).
-
-    * warm-up, step < warmup_steps: linear, as in `lr_at`;
-    * stable: lr until the cool-down starts at
-      c = max(warmup_steps, decay_steps - round(cooldown_fraction * decay_steps));
-    * cool-down, c <= step <= decay_steps: linear from lr to min_lr; then min_lr.
-    """
-    if step < warmup_steps:
-        return lr * (step + 1) / warmup_steps
-    start = max(warmup_steps, decay_steps - round(cooldown_fraction * decay_steps))
-    if step < start:
-        return lr
-    if step >= decay_steps:
-        return min_lr
-    return lr + (min_lr - lr) * (step - start) / (decay_steps - start)
+# The optimisers and schedules themselves are `minigpt.optim`'s; here the run's
+# configuration chooses among them.
 
 
 def schedule_lr(step: int, config: TrainConfig) -> float:
@@ -265,81 +212,6 @@ def schedule_lr(step: int, config: TrainConfig) -> float:
                                cooldown_fraction=c.cooldown_fraction)
     return lr_at(step, lr=c.lr, min_lr=c.min_lr, warmup_steps=c.warmup_steps,
                  decay_steps=c.schedule_end)
-
-
-def muon_and_adamw_parameters(model: GPT) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """Split a GPT's trainable parameters: the hidden matrices (2-D weights inside the
-    blocks: attention's and the feed-forward's maps), which Muon updates, and the rest
-    (embeddings, the head, gains and biases), which stay with AdamW."""
-    hidden: list[nn.Parameter] = []
-    rest: list[nn.Parameter] = []
-    for name, p in model.named_parameters():  # a tied matrix is listed once
-        if p.requires_grad:
-            (hidden if p.dim() == 2 and name.startswith("h.") else rest).append(p)
-    return hidden, rest
-
-
-def newton_schulz(g: Tensor, coefficients: tuple[float, float, float] = (3.4445, -4.775,
-                  2.0315), steps: int = 5, eps: float = 1e-7) -> Tensor:
-    """Push every singular value of ``g`` towards 1, keeping its singular vectors: about
-    U V^T for g = U S V^T, computed with matrix products only, in float32.
-
-    X is g scaled to spectral norm <= 1 (its Frobenius norm is at least that); each step
-    maps X to a X + b (X X^T) X + c (X X^T)^2 X, which applies the odd polynomial
-    p(s) = a s + b s^3 + c s^5 to every singular value s. Muon's coefficients make p steep
-    at 0 (a = 3.4, so small values grow fast) and keep p(s) in about [0.7, 1.2] once s has
-    grown: five steps give roughly orthogonal, not exactly orthogonal, matrices.
-
-    Args:
-        g: (m, n) a gradient or momentum matrix.
-    Returns: (m, n), float32.
-    """
-    a, b, c = coefficients
-    wide = g.shape[0] <= g.shape[1]
-    x = g.float() if wide else g.float().T  # (small, large): X X^T is the small Gram matrix
-    x = x / x.norm().clamp(min=eps)
-    for _ in range(steps):
-        gram = x @ x.T
-        x = a * x + (b * gram + c * gram @ gram) @ x
-    out: Tensor = x if wide else x.T
-    return out
-
-
-class Muon(torch.optim.Optimizer):
-    """Muon for 2-D weights, written out: momentum, a Nesterov look-ahead, `newton_schulz`.
-
-    For each matrix W (m x n) with gradient G, a step with rate lr and momentum mu does
-        M <- mu M + (1 - mu) G                   the momentum, a running average of G
-        U <- (1 - mu) G + mu M                   Nesterov: the look-ahead, not M itself
-        W <- W - lr sqrt(max(1, m / n)) newton_schulz(U)
-    The factor sqrt(max(1, m / n)) is Keller Jordan's: a tall matrix gets a larger step, so
-    that the update's entries have about the same size whatever the shape. The same ops,
-    in the same order, as PyTorch's `torch.optim.Muon` (which iterates in bfloat16: slow on a
-    CPU without bfloat16 matrix units, and not the fp32 recipe) with this iteration.
-    """
-
-    def __init__(self, params: Any, lr: float, momentum: float = 0.95,
-                 nesterov: bool = True) -> None:
-        super().__init__(params, {"lr": lr, "momentum": momentum, "nesterov": nesterov})
-        assert all(p.dim() == 2 for g in self.param_groups for p in g["params"])
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        assert closure is None
-        for group in self.param_groups:
-            lr, mu = group["lr"], group["momentum"]
-            for w in group["params"]:
-                if w.grad is None:
-                    continue
-                state = self.state[w]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(w.grad)
-                momentum = state["momentum_buffer"]
-                momentum.lerp_(w.grad, 1 - mu)
-                update = w.grad.lerp(momentum, mu) if group["nesterov"] else momentum
-                rows, cols = w.shape
-                w.add_(newton_schulz(update), alpha=-lr * math.sqrt(max(1, rows / cols)))
-        return None
 
 
 class MuonAdamW:
