@@ -66,8 +66,8 @@ PRINT_OPTIONS = {
     "generateTaggedPDF": True,
     "generateDocumentOutline": True,
 }
-# The first print only finds the page of every contents entry: untagged and without an
-# outline it is about a third faster, and its pages are the same (the final print checks).
+# The first print only finds the page of every contents entry, so it needs no tags and no
+# outline; its pages are the final print's (which checks that no entry moved).
 FIRST_PRINT = PRINT_OPTIONS | {"generateTaggedPDF": False, "generateDocumentOutline": False}
 PLACEHOLDER = "000"  # as wide as any page number the contents will hold
 
