@@ -22,6 +22,7 @@ RECORD = ROOT / "book" / "data" / "modern_ablation.json"
 
 def test_each_row_undoes_part_of_the_modern_layout() -> None:
     assert ablate.ROWS["modern recipe"] == {}
+    assert set(ablate.SIMPLIFICATIONS) < set(ablate.ROWS)
     for row, undo in ablate.ROWS.items():
         assert set(undo) <= set(MODERN_LAYOUT), row
         assert all(MODERN_LAYOUT[k] != v for k, v in undo.items()), row
@@ -57,6 +58,7 @@ def test_the_chapter_s_record_is_what_the_tool_trains_now() -> None:
     for row in record["rows"]:
         assert len(row["losses"]) == len(record["seeds"])
         assert row["undo"] == ablate.ROWS[row["name"]]
+        assert row["simplification"] == (row["name"] in ablate.SIMPLIFICATIONS)
     # every row's paired difference is computable (finite t) from what is recorded
     reference = record["rows"][0]["losses"]
     for row in record["rows"][1:]:

@@ -50,6 +50,8 @@ ROWS: dict[str, dict[str, Any]] = {
     "no QK-norm": dict(qk_norm=False),
     "learned positions": dict(positional="learned"),
 }
+#: Rows that undo a simplification: the recipe keeps it unless undoing it lowers the loss.
+SIMPLIFICATIONS = ("biases and norm gains",)
 HELD_OUT_WINDOWS = 2048  # of 64 characters
 
 
@@ -109,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             "tool": "tools/ablate_modern.py", "steps": args.steps, "seeds": seeds,
             "held_out_windows": HELD_OUT_WINDOWS,
             **environment(),
-            "rows": [{"name": row, "undo": ROWS[row],
+            "rows": [{"name": row, "undo": ROWS[row], "simplification": row in SIMPLIFICATIONS,
                       "params": results[i * len(seeds)].metrics["num_parameters"],
                       "losses": [float(v) for v in losses[i]],
                       "runs": [{"model": model.model_dump(), "training": training.model_dump()}
