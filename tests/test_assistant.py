@@ -18,10 +18,10 @@ from minigpt.assistant import (
 )
 from minigpt.chat import Turn, reply
 from minigpt.cli import main
+from minigpt.config import TrainConfig
 from minigpt.data import split_text
 from minigpt.pretrained import MANIFEST_NAME, Recipe
 from minigpt.tasks import source_lines
-from minigpt.train import TrainConfig
 
 WORDS = ["fair", "moon", "night", "love", "sweet", "lord", "good", "king", "heart", "death",
          "speak", "gentle", "noble", "time", "sir", "come"]

@@ -21,9 +21,10 @@ from minigpt.assistant_cli import chat_loop, fit_context
 from minigpt.chat import Turn
 from minigpt.checkpoint import load_checkpoint
 from minigpt.cli import main
+from minigpt.config import TrainConfig
 from minigpt.sample import load_model
 from minigpt.tokenizer import CharTokenizer
-from minigpt.train import TrainConfig, train
+from minigpt.train import train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TINY = ["--steps", "2", "--n-train", "6", "--n-test", "2", "--quiet"]

@@ -16,9 +16,9 @@ import torch
 from minigpt import GPT, GPTConfig
 from minigpt.checkpoint import load_checkpoint, save_checkpoint
 from minigpt.cli import main
+from minigpt.config import TrainConfig
 from minigpt.decoding import beam_search
 from minigpt.sample import load_model
-from minigpt.train import TrainConfig
 
 TEXT = "".join(
     f"{who}:\nWhat say you, {whom}? The night is {mood} and the hour grows late.\n\n"
@@ -493,8 +493,7 @@ def test_flags_follow_the_model_fields() -> None:
 
 
 def test_the_modern_recipe_under_the_flags_given(tmp_path: Path, text_file: Path) -> None:
-    from minigpt.config import MODERN_LAYOUT
-    from minigpt.train import MODERN_TRAINING
+    from minigpt.config import MODERN_LAYOUT, MODERN_TRAINING
 
     assert main(["train", "--text", str(text_file), "--out", str(tmp_path), "--recipe",
                  "modern", "--n-layers", "1", "--context-length", "8", "--batch-size", "2",

@@ -16,6 +16,7 @@ from hypothesis import given
 
 from minigpt import GPT, GPTConfig
 from minigpt.chat import add_chat_tokens, greedy_replies, prompt_ids
+from minigpt.config import TrainConfig
 from minigpt.dpo import (
     PreferencePair,
     PreferenceSet,
@@ -33,9 +34,10 @@ from minigpt.dpo import (
     sequence_logprobs,
     train_dpo,
 )
+from minigpt.losses import estimate_loss
 from minigpt.tasks import FAMILIES, Task, line_words
 from minigpt.tokenizer import END_OF_TURN, CharTokenizer
-from minigpt.train import TrainConfig, estimate_loss, train_step
+from minigpt.train import train_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 LINES = ["Now fair Hippolyta our hour", "Draws on apace four happy days",

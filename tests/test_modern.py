@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from minigpt import GPT, GPTConfig
 from minigpt.classify import GPTClassifier
-from minigpt.config import MODERN_LAYOUT
+from minigpt.config import MODERN_LAYOUT, TrainConfig
 from minigpt.decoding import beam_search, generate
 from minigpt.nn import (
     FeedForward,
@@ -26,9 +26,17 @@ from minigpt.nn import (
     apply_rope,
     rope_angles,
 )
-from minigpt.optim import Muon, muon_and_adamw_parameters, newton_schulz, trapezoid_lr_at
+from minigpt.optim import (
+    Muon,
+    MuonAdamW,
+    muon_and_adamw_parameters,
+    newton_schulz,
+    schedule_lr,
+    set_lr,
+    trapezoid_lr_at,
+)
 from minigpt.speculative import speculative_generate
-from minigpt.train import MuonAdamW, TrainConfig, schedule_lr, set_lr, train
+from minigpt.train import train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -404,7 +412,7 @@ def test_muon_lr_follows_the_schedule(data: tuple[np.ndarray, np.ndarray]) -> No
 
 def test_eval_full_scores_the_whole_validation_split(
         data: tuple[np.ndarray, np.ndarray]) -> None:
-    from minigpt.train import full_loss
+    from minigpt.losses import full_loss
     tc = TrainConfig(batch_size=2, max_steps=2, warmup_steps=1, eval_interval=2,
                      eval_steps=1, eval_full=True)
     result = train(tiny("gpt2"), tc, *data, progress=False)
@@ -416,9 +424,11 @@ def test_eval_full_scores_the_whole_validation_split(
 STEP_SCRIPT = """
 import sys, torch
 from minigpt import GPT, GPTConfig
-from minigpt.config import MODERN_LAYOUT
+from minigpt.config import MODERN_LAYOUT, TrainConfig
+from minigpt.data import Batch
+from minigpt.optim import MuonAdamW
 from minigpt.parallel import init_distributed, shutdown, wrap_model
-from minigpt.train import MuonAdamW, TrainConfig, train_step
+from minigpt.train import train_step
 torch.set_num_threads(1)
 ctx = init_distributed("cpu")
 torch.manual_seed(0)
@@ -429,7 +439,7 @@ y = torch.randint(0, 11, (8, 8), generator=torch.Generator().manual_seed(2))
 mine = slice(4 * ctx.rank, 4 * ctx.rank + 4)
 opt = MuonAdamW(model, TrainConfig(optimizer="muon", lr=1e-2))
 for _ in range(3):
-    train_step(wrap_model(model, ctx), opt, [(x[mine], y[mine])], grad_clip=1.0)
+    train_step(wrap_model(model, ctx), opt, [Batch(x[mine], y[mine])], grad_clip=1.0)
 torch.save(model.state_dict(), sys.argv[1] + f"/rank{ctx.rank}.pt")
 shutdown(ctx)
 """
@@ -439,6 +449,7 @@ shutdown(ctx)
 def test_two_ranks_with_muon_equal_one_process(tmp_path: Path) -> None:
     from test_parallel import _ranks
 
+    from minigpt.data import Batch
     from minigpt.train import train_step
 
     script = tmp_path / "step.py"
@@ -454,7 +465,7 @@ def test_two_ranks_with_muon_equal_one_process(tmp_path: Path) -> None:
     y = torch.randint(0, 11, (8, 8), generator=torch.Generator().manual_seed(2))
     opt = MuonAdamW(model, TrainConfig(optimizer="muon", lr=1e-2))
     for _ in range(3):  # zero-initialised: the head moves first, the inner maps third
-        train_step(model, opt, [(x, y)], grad_clip=1.0)
+        train_step(model, opt, [Batch(x, y)], grad_clip=1.0)
     for name, value in model.state_dict().items():
         assert torch.equal(ranks[0][name], ranks[1][name]), name
         assert torch.allclose(ranks[0][name], value, rtol=0, atol=2e-5), name

@@ -22,7 +22,7 @@ import torch
 
 from minigpt import GPT, GPTConfig
 from minigpt.cli import main
-from minigpt.data import ExampleSet
+from minigpt.data import Batch, ExampleSet
 from minigpt.optim import configure_optimizer
 from minigpt.parallel import (
     DistContext,
@@ -44,6 +44,7 @@ STEP_SCRIPT = textwrap.dedent("""
     from minigpt import GPT, GPTConfig
     from minigpt.parallel import init_distributed, shutdown, wrap_model
     from minigpt.optim import configure_optimizer
+    from minigpt.data import Batch
     from minigpt.train import train_step
     torch.set_num_threads(1)
     ctx = init_distributed("cpu")
@@ -55,8 +56,8 @@ STEP_SCRIPT = textwrap.dedent("""
     mine = slice(4 * ctx.rank, 4 * ctx.rank + 4)
     xs, ys = x[mine], y[mine]
     opt = configure_optimizer(model, lr=1e-2, weight_decay=0.1)
-    train_step(wrap_model(model, ctx), opt, [(xs[:2], ys[:2]), (xs[2:], ys[2:])],
-               grad_clip=1.0)
+    train_step(wrap_model(model, ctx), opt,
+               [Batch(xs[:2], ys[:2]), Batch(xs[2:], ys[2:])], grad_clip=1.0)
     torch.save(model.state_dict(), sys.argv[1] + f"/rank{ctx.rank}.pt")
     shutdown(ctx)
 """)
@@ -104,7 +105,7 @@ def test_one_step_on_two_ranks_equals_one_process_on_the_whole_batch(tmp_path: P
     x = torch.randint(0, 11, (8, 8), generator=torch.Generator().manual_seed(1))
     y = torch.randint(0, 11, (8, 8), generator=torch.Generator().manual_seed(2))
     opt = configure_optimizer(model, lr=1e-2, weight_decay=0.1)
-    train_step(model, opt, [(x, y)], grad_clip=1.0)
+    train_step(model, opt, [Batch(x, y)], grad_clip=1.0)
     for name, value in model.state_dict().items():
         assert torch.equal(ranks[0][name], ranks[1][name]), name  # identical updates
         assert torch.allclose(ranks[0][name], value, rtol=0, atol=2e-6), name
@@ -117,8 +118,9 @@ def test_rank_batches_partition_the_global_batch() -> None:
     whole = rank_batch(data, 6, 5, DistContext(), generator=torch.Generator().manual_seed(3))
     parts = [rank_batch(data, 2, 5, DistContext(rank=r, world_size=3),
                         generator=torch.Generator().manual_seed(3)) for r in range(3)]
-    assert torch.equal(torch.cat([x for x, _ in parts]), whole[0])
-    assert torch.equal(torch.cat([y for _, y in parts]), whole[1])
+    assert torch.equal(torch.cat([b.x for b in parts]), whole.x)
+    assert torch.equal(torch.cat([b.y for b in parts]), whole.y)
+    assert whole.mask is None and all(b.mask is None for b in parts)
 
 
 TRAIN_FLAGS = ["--n-layers", "2", "--n-heads", "2", "--d-model", "32", "--context-length", "16",
@@ -287,7 +289,8 @@ WRAPPED_SCRIPT = textwrap.dedent("""
     import json, sys, numpy as np, torch, torch.distributed as dist
     from minigpt import GPT, GPTConfig
     from minigpt.parallel import init_distributed, shutdown
-    from minigpt.train import TrainConfig, train
+    from minigpt.config import TrainConfig
+    from minigpt.train import train
     torch.set_num_threads(1)
     ctx = init_distributed("cpu")
     devices = []
@@ -347,6 +350,7 @@ NO_SYNC_SCRIPT = textwrap.dedent("""
     from minigpt import GPT, GPTConfig
     from minigpt.parallel import init_distributed, shutdown
     from minigpt.optim import configure_optimizer
+    from minigpt.data import Batch
     from minigpt.train import train_step, trainee_of
     torch.set_num_threads(1)
     ctx = init_distributed("cpu")
@@ -365,7 +369,7 @@ NO_SYNC_SCRIPT = textwrap.dedent("""
         x = torch.randint(0, 11, (4, 8), generator=torch.Generator().manual_seed(ctx.rank))
         for k in (1, 2, 4):
             calls.clear()
-            train_step(trainee, opt, [(x, x)] * k, grad_clip=1.0)
+            train_step(trainee, opt, [Batch(x, x)] * k, grad_clip=1.0)
             counts[f"{'compiled' if compiled else 'eager'} k={k}"] = len(calls)
     with open(sys.argv[1] + f"/rank{ctx.rank}.json", "w") as f:
         json.dump(counts, f)

@@ -15,8 +15,8 @@ import torch
 from minigpt import assistant, pretrained
 from minigpt.assets import MissingAssetError
 from minigpt.cli import main
+from minigpt.config import TrainConfig
 from minigpt.pretrained import MANIFEST_NAME, WEIGHTS_NAME, Recipe, load_or_build
-from minigpt.train import TrainConfig
 
 TEXT = (
     "ROMEO:\nBut, soft! what light through yonder window breaks?\n\n"

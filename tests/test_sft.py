@@ -17,11 +17,13 @@ from torch import Tensor, nn
 
 from minigpt import GPT, GPTConfig, sft
 from minigpt.chat import decode_conversation
+from minigpt.config import TrainConfig
 from minigpt.data import ExampleSet
+from minigpt.losses import estimate_loss, lm_loss, masked_lm_loss
 from minigpt.sft import encode_tasks, finetune
 from minigpt.tasks import Task
 from minigpt.tokenizer import CharTokenizer, with_special_tokens
-from minigpt.train import TrainConfig, estimate_loss, lm_loss, masked_lm_loss, train, train_step
+from minigpt.train import train, train_step
 
 V = 12
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -68,17 +70,23 @@ def test_targets_outside_the_mask_get_no_gradient() -> None:
     assert not logits.grad[0, [0, 2]].any() and logits.grad[0, [1, 3]].any()
 
 
-@pytest.mark.parametrize("args, error, message", [
+@pytest.mark.parametrize("args, message", [
     ((torch.zeros(2, 3, V), torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 4, dtype=bool)),
-     ValueError, r"need logits \(B, T, V\) with targets and mask \(B, T\), got \(2, 3, 12\)"),
+     r"logits \(B, T, V\), rest \(B, T\)"),
     ((torch.zeros(1, 2, V), torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2)),
-     TypeError, "mask must be a bool tensor"),
-    ((torch.zeros(1, 2, V), torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, dtype=bool)),
-     ValueError, "the mask selects no target"),
+     "the mask says which targets count"),
 ])
-def test_masked_loss_errors(args: tuple[Tensor, ...], error: type, message: str) -> None:
-    with pytest.raises(error, match=message):
+def test_masked_loss_asserts_its_shapes(args: tuple[Tensor, ...], message: str) -> None:
+    with pytest.raises(AssertionError, match=message):
         masked_lm_loss(*args)
+
+
+def test_masked_mean_over_no_target_is_nan() -> None:
+    """Not checked (it would wait for the device every step): the mean over none is NaN."""
+    args = (torch.zeros(1, 2, V), torch.zeros(1, 2, dtype=torch.long),
+            torch.zeros(1, 2, dtype=torch.bool))
+    assert masked_lm_loss(*args).isnan()
+    assert masked_lm_loss(*args, reduction="sum") == 0
 
 
 # ----- gradient accumulation --------------------------------------------------------------
@@ -256,7 +264,7 @@ EVAL_SCRIPT = textwrap.dedent("""
     sys.path.insert(0, sys.argv[2])
     from test_sft import examples, tiny
     from minigpt.parallel import init_distributed, shutdown
-    from minigpt.train import estimate_loss
+    from minigpt.losses import estimate_loss
     torch.set_num_threads(1)
     ctx = init_distributed("cpu")
     losses = estimate_loss(tiny(), {"val": examples(16, 2)}, batch_size=2, context_length=12,

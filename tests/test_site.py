@@ -914,8 +914,8 @@ def test_rotation_sliders_land_on_the_encoding(driver: Any, base_url: str) -> No
 def test_training_hover_reads_the_schedule_and_the_losses(driver: Any, base_url: str) -> None:
     from selenium.webdriver.common.action_chains import ActionChains
 
+    from minigpt.optim import schedule_lr
     from minigpt.pretrained import BOOK_RECIPE
-    from minigpt.train import schedule_lr
 
     chart = "training-explorer"
     _chart_page(driver, base_url, chart)

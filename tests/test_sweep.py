@@ -12,8 +12,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from minigpt import GPTConfig
+from minigpt.config import TrainConfig
 from minigpt.sweep import RunPool, paired_difference, student_t_cdf, train_many
-from minigpt.train import TrainConfig, train
+from minigpt.train import train
 
 DATA = np.random.default_rng(0).integers(0, 11, 4000).astype(np.uint16)
 MODEL = GPTConfig(vocab_size=11, context_length=8, d_model=16, n_heads=2, n_layers=1)

@@ -35,11 +35,12 @@ import numpy as np
 import torch
 
 from minigpt import GPTConfig
+from minigpt.config import TrainConfig
 from minigpt.data import shakespeare_text, split_text
+from minigpt.losses import full_loss
 from minigpt.pretrained import environment
 from minigpt.sweep import RunPool, paired_difference
 from minigpt.tokenizer import CharTokenizer
-from minigpt.train import TrainConfig, full_loss
 
 #: Each row undoes one change of the modern layout (the first row undoes nothing).
 ROWS: dict[str, dict[str, Any]] = {

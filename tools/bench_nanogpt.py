@@ -99,7 +99,7 @@ def minigpt(text: Path, steps: int, seed: int, out: Path,
 
 
 def nanogpt_full_loss(folder: Path, out: Path, name: str = "ckpt.pt") -> float:
-    """nanoGPT's checkpoint scored like `minigpt.train.full_loss`: mean loss over
+    """nanoGPT's checkpoint scored like `minigpt.losses.full_loss`: mean loss over
     consecutive 64-token windows of its val.bin. nanoGPT's own model code is imported from
     its checkout, in a child process."""
     script = f"""

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from minigpt import pretrained
+from minigpt.config import TrainConfig
 from minigpt.data import split_text
 from minigpt.dpo import DPO_TRAINING, check_beta, evaluate_dpo, make_pairs, train_dpo
 from minigpt.model import GPT
@@ -29,7 +30,6 @@ from minigpt.pretrained import Built, ModelInfo, cached_model
 from minigpt.sft import SFT_TRAINING, finetune, text_windows
 from minigpt.tasks import TaskSplit, exact_match, make_tasks
 from minigpt.tokenizer import CHAT_TOKENS, CharTokenizer, with_special_tokens
-from minigpt.train import TrainConfig
 
 #: The package's modules that importing this one loads; their source is part of every
 #: assistant's cache key, as `pretrained.TRAINING_MODULES`' is of the base model's.

@@ -27,6 +27,7 @@ import torch
 
 from minigpt import assistant
 from minigpt.chat import ChatFormatError, Turn, prompt_ids, reply
+from minigpt.config import TrainConfig
 from minigpt.data import read_text, shakespeare_text
 from minigpt.dpo import DPO_TRAINING, check_beta, make_pairs, train_dpo
 from minigpt.evals import benchmark_table, format_table
@@ -37,7 +38,6 @@ from minigpt.sample import load_model
 from minigpt.sft import SFT_TRAINING, finetune
 from minigpt.tasks import TaskSplit, exact_match, make_tasks
 from minigpt.tokenizer import CHAT_TOKENS, Tokenizer
-from minigpt.train import TrainConfig
 
 Handler = Callable[[argparse.Namespace, list[str]], int]
 

@@ -21,18 +21,11 @@ from tqdm import tqdm
 
 from minigpt import assets, assistant, assistant_cli, data, parallel
 from minigpt.checkpoint import CHECKPOINT_NAME, load_checkpoint
-from minigpt.config import GPTConfig
+from minigpt.config import GPTConfig, TrainConfig
 from minigpt.flags import add_model_flags, flag
 from minigpt.sample import SampleSettings, sample_texts
 from minigpt.tokenizer import KINDS, get_tokenizer
-from minigpt.train import (
-    METRICS_NAME,
-    TrainConfig,
-    saved_settings,
-    train,
-    with_global_batch,
-    write_metrics,
-)
+from minigpt.train import METRICS_NAME, saved_settings, train, with_global_batch, write_metrics
 
 # What `--resume` accepts besides --out: the run's settings are the checkpoint's.
 _RESUMABLE = {"max_steps", "device", "stop_at", "progress", "threads", "compile", "out",
@@ -83,7 +76,7 @@ class RunFlags(BaseModel):
     global_batch_size: int | None = Field(None, ge=1, description="sets --grad-accum")
     recipe: Literal["gpt2", "modern"] = Field("gpt2", description="modern: the modern GPT's "
                                               "layout and training (minigpt.config.MODERN_LAYOUT, "
-                                              "minigpt.train.MODERN_TRAINING) under the flags")
+                                              "minigpt.config.MODERN_TRAINING) under the flags")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,9 +1,10 @@
-"""Validated model configuration, named presets and reproducibility switches.
+"""Validated configurations, named presets and reproducibility switches.
 
-A `GPTConfig` is checked when it is made: a width that the heads cannot
-share, a non-positive size or a dropout outside [0, 1) raises a `ValueError`
-(pydantic's `ValidationError` is one) whose message names the field and the
-rule it broke, long before a tensor of the wrong shape could.
+A model's shape is a `GPTConfig`, a training run's settings a `TrainConfig`. Both are
+checked when they are made: a width that the heads cannot share, a non-positive size, a
+dropout outside [0, 1) or a warm-up longer than the decay raises a `ValueError`
+(pydantic's `ValidationError` is one) whose message names the field and the rule it
+broke, long before a tensor of the wrong shape could.
 """
 
 from __future__ import annotations
@@ -167,6 +168,140 @@ class GPTConfig(BaseModel):
 MODERN_LAYOUT: dict[str, Any] = dict(
     positional="rope", norm="layernorm", norm_weight=False, qk_norm=True,
     activation="relu2", bias=False, tie_weights=False, zero_init=True,
+)
+
+
+class TrainConfig(BaseModel):
+    """Every setting of a training run except the model's shape (that is a `GPTConfig`).
+
+    The defaults are nanoGPT's CPU recipe for character-level Shakespeare.
+
+    Attributes:
+        batch_size: B, sequences per micro-batch.
+        grad_accum: micro-batches whose gradients add up to one optimiser step; a step
+            sees B * grad_accum sequences.
+        max_steps: optimiser steps of the whole run.
+        lr: peak learning rate, reached at the end of the warm-up.
+        min_lr: the floor the cosine decays to (0 <= min_lr <= lr).
+        warmup_steps: steps of linear warm-up from lr / warmup_steps to lr.
+        decay_steps: the step at which the cosine reaches min_lr (default: max_steps).
+        weight_decay: AdamW's decoupled weight decay, applied to matrices only.
+        beta1, beta2: AdamW's moment decay rates, in [0, 1).
+        grad_clip: largest global gradient norm; 0 turns clipping off.
+        eval_interval: evaluate (and checkpoint) every this many steps, and at the end.
+        eval_steps: batches per split in each evaluation.
+        eval_full: score the validation loss of each evaluation on the whole validation
+            split (`minigpt.losses.full_loss`) instead of on ``eval_steps`` batches: slower, free of
+            sampling noise (what comparing the time two recipes take to a loss needs).
+        seed: seeds the initial weights, the batches and dropout.
+        bf16: run forward passes under bf16 autocast.
+        device: "cpu", "cuda", "cuda:1", ...
+        optimizer: "adamw" for every parameter, or "muon": Muon for the hidden matrices
+            (the 2-D weights inside the blocks) and AdamW for the rest.
+        muon_lr: Muon's peak learning rate (it follows the same schedule as lr).
+        muon_momentum: Muon's momentum (Nesterov).
+        schedule: "cosine" (warm-up, then a cosine decay to min_lr at decay_steps) or
+            "trapezoid" (warm-up, a constant lr, then a linear cool-down to min_lr over
+            the last ``cooldown_fraction`` of decay_steps).
+        cooldown_fraction: the trapezoid's cool-down, as a fraction of decay_steps.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    batch_size: int = Field(default=12, ge=1,
+                            description="B, sequences per micro-batch (per process)")
+    grad_accum: int = Field(default=1, ge=1, description="micro-batches per optimiser step")
+    max_steps: int = Field(default=2000, ge=0, description="optimiser steps of the whole run")
+    lr: float = Field(default=1e-3, gt=0.0,
+                      description="peak learning rate, reached after the warm-up")
+    min_lr: float = Field(default=1e-4, ge=0.0,
+                          description="the learning rate the cosine decays to")
+    warmup_steps: int = Field(default=100, ge=0,
+                              description="steps of linear warm-up (by default at most "
+                                          "decay_steps, so that a short run needs no flag)")
+    decay_steps: int | None = Field(default=None, ge=0,
+                                    description="the step at which the cosine reaches min_lr "
+                                                "(default: max_steps)")
+    weight_decay: float = Field(default=0.1, ge=0.0,
+                                description="AdamW's weight decay, on matrices only")
+    beta1: float = Field(default=0.9, ge=0.0, lt=1.0,
+                         description="AdamW's first-moment decay rate")
+    beta2: float = Field(default=0.99, ge=0.0, lt=1.0,
+                         description="AdamW's second-moment decay rate")
+    grad_clip: float = Field(default=1.0, ge=0.0,
+                             description="largest gradient norm, 0 for no clipping")
+    eval_interval: int = Field(default=250, ge=1,
+                               description="evaluate and checkpoint every this many steps")
+    eval_steps: int = Field(default=20, ge=1, description="batches per split in each evaluation")
+    eval_full: bool = False
+    seed: int = Field(default=1337, ge=0,
+                      description="seeds the initial weights, the batches and dropout")
+    bf16: bool = Field(default=False, description="bf16 autocast for forward passes")
+    device: str = Field(default="cpu", description="cpu, cuda, cuda:1, ...")
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    muon_lr: float = Field(default=0.02, gt=0.0)
+    muon_momentum: float = Field(default=0.95, ge=0.0, lt=1.0)
+    schedule: Literal["cosine", "trapezoid"] = "cosine"
+    cooldown_fraction: float = Field(default=0.4, gt=0.0, le=1.0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_schedule(cls, data: Any) -> Any:
+        # Resolved once, here, so that a checkpoint keeps the schedule it was trained with
+        # even if a resumed run is given more steps. The default warm-up is cut to the
+        # decay steps, so a short run (max_steps=2) works without naming the warm-up.
+        if isinstance(data, dict):
+            data = dict(data)
+            if data.get("decay_steps") is None:
+                data["decay_steps"] = data.get("max_steps", cls.model_fields["max_steps"].default)
+            if "warmup_steps" not in data and isinstance(data["decay_steps"], int):
+                default = cls.model_fields["warmup_steps"].default
+                data["warmup_steps"] = max(0, min(default, data["decay_steps"]))
+        return data
+
+    @model_validator(mode="after")
+    def _check_relations(self) -> TrainConfig:
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr (={self.min_lr}) must not exceed lr (={self.lr})")
+        assert self.decay_steps is not None
+        if self.decay_steps < self.warmup_steps:
+            raise ValueError(
+                f"warmup_steps (={self.warmup_steps}) must not exceed decay_steps "
+                f"(={self.decay_steps}, by default max_steps): the cosine decay starts after "
+                "the warm-up; lower warmup_steps or raise max_steps"
+            )
+        try:
+            device = torch.device(self.device)
+        except RuntimeError:
+            raise ValueError(f"device {self.device!r} is not a torch device "
+                             "(e.g. 'cpu', 'cuda', 'cuda:1')") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r}: CUDA is not available on this machine")
+        return self
+
+    @classmethod
+    def modern(cls, **overrides: Any) -> TrainConfig:
+        """The modern recipe's settings (`MODERN_TRAINING`) under ``overrides``; a run
+        shorter than the recipe's warm-up warms up over the whole run."""
+        values = MODERN_TRAINING | overrides
+        if "warmup_steps" not in overrides and "max_steps" in overrides:
+            values["warmup_steps"] = min(values["warmup_steps"], overrides["max_steps"])
+        return cls(**values)
+
+    @property
+    def schedule_end(self) -> int:
+        """The step at which the cosine reaches min_lr (decay_steps, resolved)."""
+        return self.max_steps if self.decay_steps is None else self.decay_steps
+
+
+#: The modern recipe's training settings (`python -m minigpt train --recipe modern`, with
+#: `minigpt.config.MODERN_LAYOUT`): Muon on the hidden matrices, AdamW without weight decay
+#: on the rest, a short warm-up, a constant rate and a linear cool-down to 0, and larger
+#: batches than GPT-2's CPU recipe (Muon's orthogonalisation costs the same per step
+#: whatever the batch, so it pays with more tokens a step).
+MODERN_TRAINING: dict[str, Any] = dict(
+    optimizer="muon", muon_lr=0.02, lr=2e-2, min_lr=0.0, beta2=0.95, weight_decay=0.0,
+    warmup_steps=10, schedule="trapezoid", cooldown_fraction=0.4, batch_size=48,
 )
 
 

@@ -14,7 +14,7 @@ import hashlib
 import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -262,6 +262,21 @@ def get_batch(data: np.ndarray, batch_size: int, context_length: int, *,
 
 # ------------------------------------------------------------- examples with a loss mask
 
+class Batch(NamedTuple):
+    """One batch of training data: inputs ``x`` (B, T), next-token targets ``y`` (B, T),
+    and for examples with a loss mask (`ExampleSet`) the bool ``mask`` (B, T) of the
+    targets that count; ``mask`` is None where every target counts (a stream of ids)."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    mask: torch.Tensor | None = None
+
+    def to(self, device: str | torch.device) -> Batch:
+        """The batch on ``device``."""
+        mask = None if self.mask is None else self.mask.to(device)
+        return Batch(self.x.to(device), self.y.to(device), mask)
+
+
 class ExampleSet:
     """Token sequences, each with a mask of the targets that count (e.g. an assistant's
     answers): what supervised fine-tuning reads instead of one long stream of ids.
@@ -307,7 +322,7 @@ class ExampleSet:
                              f"context of T={context_length} reads at most T + 1 = "
                              f"{context_length + 1} (T inputs and the last target)")
 
-    def batch(self, rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def batch(self, rows: Sequence[int]) -> Batch:
         """The sequences ``rows``, padded on the right to the longest one (L ids):
         x (B, L - 1) inputs, y (B, L - 1) targets, mask (B, L - 1) bool, False on padding."""
         length = max(len(self.sequences[k]) for k in rows)
@@ -316,13 +331,12 @@ class ExampleSet:
         for r, k in enumerate(rows):
             n = len(self.sequences[k])
             ids[r, :n], mask[r, :n] = self.sequences[k], self.masks[k]
-        return ids[:, :-1], ids[:, 1:], mask[:, 1:]
+        return Batch(ids[:, :-1], ids[:, 1:], mask[:, 1:])
 
     def get_batch(self, batch_size: int, context_length: int, *,
                   generator: torch.Generator | None = None, device: str | torch.device = "cpu",
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  ) -> Batch:
         """B sequences drawn uniformly with replacement, as `batch` pads them, on ``device``."""
         self.check_context_length(context_length)
         rows = torch.randint(0, len(self), (batch_size,), generator=generator).tolist()
-        x, y, mask = self.batch(rows)
-        return x.to(device), y.to(device), mask.to(device)
+        return self.batch(rows).to(device)

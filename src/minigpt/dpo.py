@@ -32,19 +32,20 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from minigpt.chat import Turn, encode_conversation, greedy_replies, prompt_ids
+from minigpt.config import TrainConfig
 from minigpt.data import ExampleSet
 from minigpt.decoding import eval_mode, generate
 from minigpt.model import GPT
 from minigpt.tasks import NUMBERS, Task, line_words
 from minigpt.tokenizer import CHAT_TOKENS, END_OF_TURN, Tokenizer
-from minigpt.train import TrainConfig, TrainResult, train
+from minigpt.train import TrainResult, train
 
 #: The DPO recipe of the book's assistants (set-up's and the command line's), from a
 #: fine-tuned book model: 100 steps at a small rate (the policy starts at the reference and
@@ -122,6 +123,16 @@ def _plain(answer: str) -> bool:
     return bool(answer) and not any(token in answer for token in CHAT_TOKENS)
 
 
+class PreferenceBatch(NamedTuple):
+    """B preference pairs: inputs ``x``, targets ``y`` and the answers' ``mask`` (B, 2, L)
+    (chosen at [:, 0], rejected at [:, 1]) and the reference's log-probabilities (B, 2)."""
+
+    x: Tensor
+    y: Tensor
+    mask: Tensor
+    reference: Tensor
+
+
 class PreferenceSet(ExampleSet):
     """Encoded preference pairs and the reference's log-probabilities of their answers.
 
@@ -162,6 +173,7 @@ class PreferenceSet(ExampleSet):
     def tensors(self, rows: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
         """Pairs ``rows`` as x, y, mask (B, 2, L), padded to the longest of them."""
         x, y, mask = self.batch([2 * r + s for r in rows for s in (0, 1)])
+        assert mask is not None  # an ExampleSet's batches are masked
         shape = (len(rows), 2, -1)
         return x.view(shape), y.view(shape), mask.view(shape)
 
@@ -176,17 +188,17 @@ class PreferenceSet(ExampleSet):
                                                      bf16=self.bf16)
         return self._reference[list(rows)]
 
-    def pairs(self, rows: Sequence[int]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def pairs(self, rows: Sequence[int]) -> PreferenceBatch:
         """Pairs ``rows``: x, y, mask (B, 2, L) and the reference's log-probs (B, 2)."""
-        return (*self.tensors(rows), self.reference_logprobs(rows))
+        return PreferenceBatch(*self.tensors(rows), self.reference_logprobs(rows))
 
     def get_batch(self, batch_size: int, context_length: int, *,  # type: ignore[override]
                   generator: torch.Generator | None = None, device: str | torch.device = "cpu",
-                  ) -> tuple[Tensor, ...]:
+                  ) -> PreferenceBatch:
         """B pairs drawn uniformly with replacement (`pairs`), on ``device``."""
         self.check_context_length(context_length)
         rows = torch.randint(0, self.num_pairs, (batch_size,), generator=generator).tolist()
-        return tuple(t.to(device) for t in self.pairs(rows))
+        return PreferenceBatch(*(t.to(device) for t in self.pairs(rows)))
 
 
 def encode_pairs(pairs: Sequence[PreferencePair], tokenizer: Tokenizer,
@@ -226,8 +238,8 @@ def dpo_loss(policy_chosen: Tensor, policy_rejected: Tensor, reference_chosen: T
     return -F.logsigmoid(beta * margin).mean()
 
 
-def preference_loss(model: nn.Module, batch: tuple[Tensor, ...], *, beta: float) -> Tensor:
-    """`dpo_loss` of a `PreferenceSet` batch under ``model`` (a `minigpt.train.LossFn`)."""
+def preference_loss(model: nn.Module, batch: PreferenceBatch, *, beta: float) -> Tensor:
+    """`dpo_loss` of a `PreferenceSet` batch under ``model`` (a `minigpt.losses.LossFn`)."""
     x, y, mask, reference = batch
     logps = sequence_logprobs(model, x.flatten(0, 1), y.flatten(0, 1),
                               mask.flatten(0, 1)).view(-1, 2)

@@ -29,10 +29,10 @@ import torch
 from minigpt.data import split_text
 from minigpt.decoding import eval_mode
 from minigpt.dpo import sequence_logprobs
+from minigpt.losses import bits_per_character
 from minigpt.model import GPT
 from minigpt.tasks import Task, exact_match
 from minigpt.tokenizer import CHAT_TOKENS, Tokenizer
-from minigpt.train import bits_per_character
 
 CHANCE = 0.25
 
@@ -198,7 +198,7 @@ def benchmark_table(models: Mapping[str, tuple[GPT, Tokenizer]], text: str, *,
     ``text`` is split as the book model's data is (`split_text`): the baselines count the
     first part; the multiple-choice items (``n_items``, `make_choices` with ``seed``) and
     bits per character (on the held-out part's first ``bpc_chars`` characters, with
-    `minigpt.train.bits_per_character`) come from the held-out part. With ``tasks``, each
+    `minigpt.losses.bits_per_character`) come from the held-out part. With ``tasks``, each
     model's exact match per family (`minigpt.tasks.exact_match`): in the chat format for a
     model whose tokenizer has the chat tokens, else few-shot from ``shots``.
     Columns: model, mc_summed, mc_per_char, bpc, and em_<family> (None where not defined).

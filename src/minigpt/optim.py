@@ -4,7 +4,7 @@ AdamW with decay on the matrices only (`configure_optimizer`, nanoGPT's groups);
 schedule with a linear warm-up (`lr_at`) and the warm-up-stable-decay trapezoid
 (`trapezoid_lr_at`); and Muon, written out (`Muon`, `newton_schulz`), for the hidden
 matrices that `muon_and_adamw_parameters` picks. Which of them a run uses is its
-`minigpt.train.TrainConfig`'s choice (`minigpt.train.build_optimizer`, `schedule_lr`).
+`minigpt.config.TrainConfig`'s choice (`build_optimizer`, `schedule_lr`, `set_lr`).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from minigpt.config import TrainConfig
 from minigpt.model import GPT
 
 
@@ -153,3 +154,70 @@ class Muon(torch.optim.Optimizer):
                 rows, cols = w.shape
                 w.add_(newton_schulz(update), alpha=-lr * math.sqrt(max(1, rows / cols)))
         return None
+
+
+# ------------------------------------------------------ the run's choice among them
+
+def schedule_lr(step: int, config: TrainConfig) -> float:
+    """The learning rate of step ``step`` under ``config``'s schedule."""
+    c = config
+    if c.schedule == "trapezoid":
+        return trapezoid_lr_at(step, lr=c.lr, min_lr=c.min_lr, warmup_steps=c.warmup_steps,
+                               decay_steps=c.schedule_end,
+                               cooldown_fraction=c.cooldown_fraction)
+    return lr_at(step, lr=c.lr, min_lr=c.min_lr, warmup_steps=c.warmup_steps,
+                 decay_steps=c.schedule_end)
+
+
+class MuonAdamW:
+    """Muon on the hidden matrices and AdamW on the rest, stepped as one optimiser.
+
+    ``param_groups`` lists both optimisers' groups; each group keeps its peak rate in
+    ``"peak_lr"``, so a schedule scales them all by the same factor.
+    """
+
+    def __init__(self, model: GPT, config: TrainConfig) -> None:
+        hidden, rest = muon_and_adamw_parameters(model)
+        self.muon = Muon(hidden, lr=config.muon_lr, momentum=config.muon_momentum)
+        self.adamw = configure_optimizer(rest, lr=config.lr,
+                                         weight_decay=config.weight_decay,
+                                         betas=(config.beta1, config.beta2))
+        for group in self.param_groups:
+            group["peak_lr"] = group["lr"]
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.muon.param_groups + self.adamw.param_groups
+
+    def step(self) -> None:
+        self.muon.step()
+        self.adamw.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.muon.zero_grad(set_to_none)
+        self.adamw.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.muon.load_state_dict(state["muon"])
+        self.adamw.load_state_dict(state["adamw"])
+
+
+Optimizer = torch.optim.AdamW | MuonAdamW
+
+
+def build_optimizer(model: GPT, config: TrainConfig) -> Optimizer:
+    """The run's optimiser: `configure_optimizer`'s AdamW, or `MuonAdamW`."""
+    if config.optimizer == "muon":
+        return MuonAdamW(model, config)
+    return configure_optimizer(model, lr=config.lr, weight_decay=config.weight_decay,
+                               betas=(config.beta1, config.beta2))
+
+
+def set_lr(optimizer: Optimizer, lr: float, config: TrainConfig) -> None:
+    """Give every group the schedule's rate: ``lr`` itself for AdamW alone, else each
+    group's peak rate scaled by lr / config.lr."""
+    for group in optimizer.param_groups:
+        group["lr"] = group["peak_lr"] * lr / config.lr if "peak_lr" in group else lr

@@ -18,8 +18,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
-from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -27,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from minigpt.data import ExampleSet, get_batch
+from minigpt.data import Batch, ExampleSet, get_batch
 
 ENV_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
 
@@ -51,7 +50,7 @@ class DistContext:
     @property
     def is_main(self) -> bool:
         """Rank 0 prints and writes files; every rank trains and scores its share of
-        each evaluation (`minigpt.train.estimate_loss` averages the shares)."""
+        each evaluation (`minigpt.losses.estimate_loss` averages the shares)."""
         return self.rank == 0
 
     @property
@@ -148,20 +147,26 @@ def wrap_model(model: nn.Module, ctx: DistContext) -> nn.Module:
 def rank_batch(
     data: np.ndarray | ExampleSet, batch_size: int, context_length: int, ctx: DistContext,
     *, generator: torch.Generator,
-) -> tuple[Tensor, ...]:
-    """Rank ``ctx.rank``'s share of one global batch: (B, T) inputs, targets, and for an
-    `ExampleSet` the (B, L) inputs, targets and mask of its padded sequences.
+) -> Batch:
+    """Rank ``ctx.rank``'s share of one global batch, as a `Batch`: (B, T) inputs and
+    targets of a stream of ids, or the (B, L) inputs, targets and mask of an `ExampleSet`'s
+    padded sequences (a subclass's own batch type, such as preference pairs, is kept).
 
     Every rank draws the same B * world_size windows (or sequences) from the same seeded
     generator and keeps rows r B .. (r + 1) B - 1, so the ranks read different rows and
     together exactly the batch that one process with batch size B * world_size would read.
     """
-    draw = data.get_batch if isinstance(data, ExampleSet) else partial(get_batch, data)
+    def draw(rows: int, device: torch.device | str = "cpu") -> Batch:
+        if isinstance(data, ExampleSet):
+            return data.get_batch(rows, context_length, generator=generator, device=device)
+        return Batch(*get_batch(data, rows, context_length, generator=generator, device=device))
+
     if not ctx.distributed:
-        return tuple(draw(batch_size, context_length, generator=generator, device=ctx.device))
-    batch = draw(batch_size * ctx.world_size, context_length, generator=generator)
-    rows = slice(ctx.rank * batch_size, (ctx.rank + 1) * batch_size)
-    return tuple(t[rows].to(ctx.device) for t in batch)
+        return draw(batch_size, ctx.device)
+    batch = draw(batch_size * ctx.world_size)
+    mine = slice(ctx.rank * batch_size, (ctx.rank + 1) * batch_size)
+    kind: Any = type(batch)  # Batch, or a data set's own batch type of tensors
+    return cast(Batch, kind(*(None if t is None else t[mine].to(ctx.device) for t in batch)))
 
 
 def sum_over_ranks(value: Tensor, ctx: DistContext) -> Tensor:

@@ -50,12 +50,12 @@ import torch
 from filelock import FileLock
 from tqdm import tqdm
 
-from minigpt.config import MODERN_LAYOUT, GPTConfig
+from minigpt.config import MODERN_LAYOUT, MODERN_TRAINING, GPTConfig, TrainConfig
 from minigpt.data import shakespeare_text, split_text
 from minigpt.files import atomic_write, cache_dir, sha256_file
 from minigpt.model import GPT
 from minigpt.tokenizer import CharTokenizer
-from minigpt.train import MODERN_TRAINING, TrainConfig, train
+from minigpt.train import train
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,8 @@ log = logging.getLogger(__name__)
 #: source is part of the cache key (`source_sha256`), so a change to any of them rebuilds the
 #: models (tests/test_pretrained.py checks that the list is what importing this module loads).
 TRAINING_MODULES = ("__init__", "assets", "checkpoint", "config", "data", "decoding", "files",
-                    "model", "nn", "optim", "parallel", "pretrained", "tokenizer", "train")
+                    "losses", "model", "nn", "optim", "parallel", "pretrained", "tokenizer",
+                    "train")
 #: Optimiser steps of the modern book model.
 MODERN_BOOK_STEPS = 400
 WEIGHTS_NAME = "model.pt"

@@ -16,11 +16,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from minigpt.chat import add_chat_tokens, encode_conversation
+from minigpt.config import TrainConfig
 from minigpt.data import ExampleSet
 from minigpt.model import GPT
 from minigpt.tasks import Task
 from minigpt.tokenizer import END_OF_TURN, BPETokenizer, CharTokenizer, Tokenizer
-from minigpt.train import TrainConfig, TrainResult, train
+from minigpt.train import TrainResult, train
 
 #: The fine-tuning recipe of the book's assistants (set-up's and the command line's): 600
 #: steps at pre-training's peak rate with a short warm-up, larger batches (a sequence holds

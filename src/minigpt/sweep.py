@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from minigpt.config import GPTConfig
-from minigpt.train import TrainConfig, TrainResult, train
+from minigpt.config import GPTConfig, TrainConfig
+from minigpt.train import TrainResult, train
 
 _DATA: dict[str, np.ndarray] = {}  # each worker's copy of the token ids, sent once
 
