@@ -16,7 +16,8 @@ import torch
 from matplotlib.collections import PolyCollection, QuadMesh
 
 from minigpt import viz
-from minigpt.nn import causal_mask, scaled_dot_product_attention, sinusoidal_encoding
+from minigpt.attention import causal_mask, scaled_dot_product_attention
+from minigpt.nn import sinusoidal_encoding
 
 
 @pytest.fixture(autouse=True)
@@ -143,78 +144,7 @@ def test_display_token():
     assert viz.display_token("") == "∅"
 
 
-# ------------------------------------------------------------------ mean attention distance
-
-def test_mean_attention_distance_of_known_patterns():
-    length = 6
-    identity = torch.eye(length)  # every query looks at itself: distance 0
-    previous = torch.zeros(length, length)  # query i looks at i-1 (query 0 at itself)
-    previous[0, 0] = 1.0
-    previous[torch.arange(1, length), torch.arange(length - 1)] = 1.0
-    first = torch.zeros(length, length)  # every query looks at position 0: distance i
-    first[:, 0] = 1.0
-    weights = torch.stack([identity, previous, first])[None]  # (1, 3, T, T)
-    got = viz.mean_attention_distance(weights)
-    expected = torch.tensor([0.0, (length - 1) / length, sum(range(length)) / length],
-                            dtype=torch.float64)
-    assert got.shape == (3,)
-    torch.testing.assert_close(got, expected)
-
-
-def test_mean_attention_distance_of_uniform_causal_rows():
-    length = 5
-    causal = torch.tril(torch.ones(length, length))
-    uniform = causal / causal.sum(dim=-1, keepdim=True)
-    # Query i spreads over 0..i: mean distance i/2; averaged over i: (T-1)/4.
-    got = viz.mean_attention_distance(uniform.expand(3, 2, length, length))
-    torch.testing.assert_close(got, torch.full((2,), (length - 1) / 4, dtype=torch.float64))
-
-
-def test_mean_attention_distance_stacks_layers():
-    layers = [_weights(2, 4, 7, seed=s) for s in range(3)]
-    got = viz.mean_attention_distance(layers)
-    assert got.shape == (3, 4)
-    torch.testing.assert_close(got, viz.mean_attention_distance(torch.stack(layers)))
-    torch.testing.assert_close(got[1], viz.mean_attention_distance(layers[1]))
-
-
-def test_mean_attention_distance_rejects_bad_input():
-    with pytest.raises(ValueError, match=r"\(B, H, T, T\)"):
-        viz.mean_attention_distance(torch.rand(3, 3))
-    with pytest.raises(ValueError, match=r"\[0, 1\]"):  # raw scores, not weights
-        viz.mean_attention_distance(torch.full((1, 1, 2, 2), 2.0))
-
-
-def test_attention_mass_on_positions_and_tokens():
-    length = 4
-    previous = torch.zeros(length, length)
-    previous[0, 0] = 1.0
-    previous[torch.arange(1, length), torch.arange(length - 1)] = 1.0
-    causal = torch.tril(torch.ones(length, length))
-    uniform = causal / causal.sum(dim=-1, keepdim=True)
-    weights = torch.stack([previous, uniform])[None]  # (1, 2, T, T)
-    prev_key = torch.diag(torch.ones(length - 1), -1).bool()  # key j = i - 1
-    got = viz.attention_mass(weights, prev_key)
-    # Query 0 has no previous key and is left out; the uniform head gives 1/(i+1) to it.
-    expected = torch.tensor([1.0, (1 / 2 + 1 / 3 + 1 / 4) / 3], dtype=torch.float64)
-    torch.testing.assert_close(got, expected)
-    # A property of the key tokens, (B, 1, T): position 2 is "a space".
-    is_space = torch.tensor([[False, False, True, False]])[:, None, :]
-    got = viz.attention_mass(weights, is_space)
-    # Every query counts (each has a key selected, even if it cannot see it yet).
-    torch.testing.assert_close(got, torch.tensor([0.25, (1 / 3 + 1 / 4) / 4],
-                                                 dtype=torch.float64))
-    stacked = viz.attention_mass([weights, weights], prev_key)
-    assert stacked.shape == (2, 2)
-
-
-def test_attention_mass_rejects_bad_masks():
-    weights = _weights(2, 1, 3)
-    with pytest.raises(ValueError, match="broadcast"):
-        viz.attention_mass(weights, torch.ones(3, 4, dtype=torch.bool))
-    with pytest.raises(ValueError, match="no key"):
-        viz.attention_mass(weights, torch.zeros(3, 3, dtype=torch.bool))
-
+# ------------------------------------------------------------------ attention distance bars
 
 def test_distance_bar_chart():
     distances = torch.tensor([[0.5, 1.0, 2.0], [3.0, 0.2, 1.5]])

@@ -531,93 +531,6 @@ def histogram_plot(
     return fig
 
 
-def _layers(weights: Any) -> tuple[np.ndarray, bool]:
-    """(L, B, H, T, T) float64 from one layer's (B, H, T, T), a stack or a list of layers;
-    also whether the input was a stack (so the result keeps its L axis)."""
-    if isinstance(weights, list | tuple):
-        layers = [_to_numpy(w, f"weights[{k}]") for k, w in enumerate(weights)]
-        if any(w.ndim != 4 for w in layers) or len({w.shape for w in layers}) != 1:
-            raise ValueError("each layer's weights must have the same shape (B, H, T, T), "
-                             f"got {[w.shape for w in layers]}")
-        array, stacked = np.stack(layers), True
-    else:
-        array = _to_numpy(weights, "weights")
-        if array.ndim not in (4, 5):
-            raise ValueError(f"weights must have shape (B, H, T, T) or (L, B, H, T, T), "
-                             f"got {array.shape}")
-        stacked = array.ndim == 5
-        array = array if stacked else array[None]
-    if array.shape[-1] != array.shape[-2]:
-        raise ValueError(f"weights must end in a square (T, T) block, got shape "
-                         f"{array.shape}")
-    _check_weights(array.reshape(-1, *array.shape[-2:]))  # in [0, 1]: not raw scores
-    return array, stacked
-
-
-def mean_attention_distance(weights: Any) -> torch.Tensor:
-    """How far back (or ahead) each head looks, on average, in positions.
-
-    For query i the expected distance is sum_j w[i, j] |i - j|; it is averaged over
-    the T queries (each query counts once) and the B sequences.
-
-    Args:
-        weights: (B, H, T, T) for one layer, or (L, B, H, T, T) / a list of L
-            (B, H, T, T) tensors (what `GPT.forward_with_attention` returns) for a
-            stack. Each row must be a probability distribution (entries in [0, 1],
-            summing to 1).
-
-    Returns: (H,) for one layer, (L, H) for a stack; float64.
-    """
-    array, stacked = _layers(weights)
-    length = array.shape[-1]
-    idx = np.arange(length)
-    distance = np.abs(idx[:, None] - idx[None, :])  # (T, T): |i - j|
-    per_query = (array * distance).sum(axis=-1)  # (L, B, H, T)
-    result = torch.from_numpy(per_query.mean(axis=(1, 3)))  # (L, H)
-    return result if stacked else result[0]
-
-
-def _key_mask(keys: Any, batch: int, length: int) -> tuple[np.ndarray, np.ndarray]:
-    """`keys` as a (B, T, T) boolean mask, and which (B, T) queries have a key in it."""
-    mask = keys.detach().cpu().numpy() if isinstance(keys, torch.Tensor) else np.asarray(keys)
-    try:
-        mask = np.broadcast_to(mask, (batch, length, length))
-    except ValueError:
-        raise ValueError(f"keys has shape {mask.shape}, which does not broadcast to "
-                         f"(B, T, T) = {(batch, length, length)}") from None
-    has_key = np.asarray(mask.any(axis=-1))
-    if not has_key.any():
-        raise ValueError("keys selects no key for any query")
-    return mask, has_key
-
-
-def attention_mass(weights: Any, keys: Any) -> torch.Tensor:
-    """The share of attention each head gives to a chosen set of keys, on average.
-
-    For sequence b and query i, the mass is sum_j w[i, j] over the selected keys j;
-    it is averaged over every (b, i) that has at least one selected key (a query
-    with none, e.g. query 0 when the keys are "the previous position", is left out
-    rather than counted as 0).
-
-    Args:
-        weights: as for `mean_attention_distance`: (B, H, T, T), (L, B, H, T, T) or
-            a list of L (B, H, T, T).
-        keys: boolean, broadcastable to (B, T, T) (sequence, query, key): (T, T) for
-            a pattern of positions such as "the previous position", (B, 1, T) for a
-            property of the key tokens such as "is a space", (B, T, T) for anything
-            else.
-
-    Returns: (H,) for one layer, (L, H) for a stack; float64, each in [0, 1].
-    """
-    array, stacked = _layers(weights)
-    _, batch, _, length, _ = array.shape
-    mask, has_key = _key_mask(keys, batch, length)  # (B, T, T), (B, T)
-    mass = (array * mask[None, :, None]).sum(axis=-1)  # (L, B, H, T)
-    mean = (mass * has_key[None, :, None]).sum(axis=(1, 3)) / has_key.sum()
-    result = torch.from_numpy(mean)
-    return result if stacked else result[0]
-
-
 def attention_distance_bars(
     distances: Any,
     *,
@@ -628,7 +541,7 @@ def attention_distance_bars(
     """Grouped bars of mean attention distance: one group per layer, one bar per head.
 
     Args:
-        distances: (L, H) or (H,), e.g. from `mean_attention_distance`.
+        distances: (L, H) or (H,), e.g. from `attention.mean_attention_distance`.
         reference: draw a dashed horizontal line at this distance (e.g. (T - 1) / 4, the
             distance of a head that spreads evenly over a causal context of T positions).
     """
