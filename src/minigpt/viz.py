@@ -1,14 +1,16 @@
-"""The figures the chapters show: attention heatmaps, positional encodings, similarities.
+"""The static figures the chapters show: attention heatmaps, positional encodings,
+similarities, curves, bars, histograms and the architecture diagram.
 
 Heatmaps, grouped bars, histograms and curves over several runs are drawn by seaborn,
 single curves and diagrams by matplotlib, always on axes made with pyplot (a notebook
 shows a figure with `plt.show()`; nothing here calls it); every function returns the
 `Figure`, which tests inspect. seaborn's theme is never set: figures keep matplotlib's
 style, whose opaque white background reads the same in the site's light and dark modes.
-Input is checked by small helpers before anything is drawn (a wrong rank, a token list
+The data a reader passes is checked before anything is drawn (a wrong rank, a token list
 of the wrong length or weights outside [0, 1] raise a `ValueError` saying what was
 expected). Colour maps follow the data: sequential with limits fixed to [0, 1] for
-attention weights, diverging and centred at 0 for signed values.
+attention weights, diverging and centred at 0 for signed values. The interactive figures
+are in `charts`; the measures of what heads attend to are in `attention`.
 
 Shapes use the book's notation: B batch, H heads, L layers, T positions, D model width.
 """
@@ -48,7 +50,7 @@ def display_token(token: str) -> str:
 
 # ------------------------------------------------------------------ checks of the input
 
-def _to_numpy(values: Any, name: str) -> np.ndarray:
+def _float64(values: Any) -> np.ndarray:
     """A float64 NumPy copy of a tensor or array-like."""
     if isinstance(values, torch.Tensor):
         return values.detach().to("cpu", torch.float64).numpy()
@@ -59,29 +61,21 @@ def _named(entries: Mapping[str, Any], name: str) -> dict[str, np.ndarray]:
     """A non-empty {label: values} mapping as {label: float64 array}."""
     if not entries:
         raise ValueError(f"{name} is empty; pass at least one {{label: values}} entry")
-    return {label: _to_numpy(v, f"{name} {label!r}") for label, v in entries.items()}
+    return {label: _float64(v) for label, v in entries.items()}
 
 
-def _positive(value: float, name: str) -> None:
-    if not value > 0:
-        raise ValueError(f"{name} must be a positive number, got {value!r}")
-
-
-def _check_weights(weights: Any, name: str = "weights") -> np.ndarray:
+def _check_weights(weights: Any) -> np.ndarray:
     """Attention weights as a (B, H, T, T) array; (H, T, T) and (T, T) gain leading axes."""
-    array = _to_numpy(weights, name)
-    if array.ndim not in (2, 3, 4):
-        raise ValueError(f"{name} must have shape (B, H, T, T), (H, T, T) or (T, T); "
-                         f"got rank {array.ndim} with shape {array.shape}")
-    while array.ndim < 4:
-        array = array[None]
-    if array.shape[-1] != array.shape[-2] or 0 in array.shape:
-        raise ValueError(f"{name} must end in a non-empty square (T, T) block of queries x "
-                         f"keys, got shape {array.shape}")
+    array = _float64(weights)
+    if not 2 <= array.ndim <= 4 or array.shape[-1] != array.shape[-2] or 0 in array.shape:
+        raise ValueError(f"weights must have shape (B, H, T, T), (H, T, T) or (T, T), "
+                         f"queries x keys; got shape {array.shape}")
     low, high = float(array.min()), float(array.max())
     if low < -_WEIGHT_TOLERANCE or high > 1 + _WEIGHT_TOLERANCE:
-        raise ValueError(f"{name} must lie in [0, 1] (they are probabilities), found values "
+        raise ValueError(f"weights must lie in [0, 1] (they are probabilities), found values "
                          f"in [{low:.4g}, {high:.4g}]; pass softmax outputs, not raw scores")
+    while array.ndim < 4:
+        array = array[None]
     return array
 
 
@@ -120,7 +114,7 @@ def _head_titles(titles: Sequence[str] | None, batch: int, heads: int,
 
 
 def _encoding(encoding: Any) -> np.ndarray:
-    array = _to_numpy(encoding, "encoding")
+    array = _float64(encoding)
     if array.ndim != 2 or 0 in array.shape:
         raise ValueError(f"encoding must have shape (T, D), got {array.shape}")
     return array
@@ -143,22 +137,21 @@ def _line_grid(dims: Sequence[int], width: int, num_positions: int, total: int,
 def _square_matrices(matrices: Any) -> list[np.ndarray]:
     """One (N, N) matrix, a (K, N, N) stack or a sequence of K matrices, as K arrays."""
     if isinstance(matrices, list | tuple):
-        arrays = [_to_numpy(m, "matrices") for m in matrices]
+        arrays = [_float64(m) for m in matrices]
     else:
-        stacked = _to_numpy(matrices, "matrices")
+        stacked = _float64(matrices)
         arrays = [stacked] if stacked.ndim == 2 else list(stacked)
-    if not arrays:
-        raise ValueError("matrices is empty; pass at least one (N, N) matrix")
-    for k, a in enumerate(arrays):
-        if a.ndim != 2 or a.shape[0] != a.shape[1] or a.shape[0] == 0:
-            raise ValueError(f"matrix {k} must be square (N, N), got shape {a.shape}")
+    if not arrays or any(a.ndim != 2 or a.shape[0] != a.shape[1] or 0 in a.shape
+                         for a in arrays):
+        raise ValueError(f"matrices must be square (N, N), one, a (K, N, N) stack or a "
+                         f"sequence; got shapes {[a.shape for a in arrays]}")
     return arrays
 
 
-def _check_series(x: Any, series: Mapping[str, Any],
-                  styles: Mapping[str, Any]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+def _check_series(x: Any,
+                  series: Mapping[str, Any]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """x as (N,), each series as (N,) (one curve) or (S, N) (S runs, e.g. seeds)."""
-    xs = _to_numpy(x, "x")
+    xs = _float64(x)
     if xs.ndim != 1 or xs.size == 0:
         raise ValueError(f"x must be a non-empty 1-D sequence, got shape {xs.shape}")
     arrays = _named(series, "series")
@@ -175,7 +168,7 @@ def _check_history(history: Mapping[str, Sequence[float]],
     missing = {"step", "loss", "eval_step", "train_loss", "val_loss"} - set(history)
     if missing:
         raise ValueError(f"history lacks {sorted(missing)}; pass a History's fields")
-    steps, loss = _to_numpy(history["step"], "step"), _to_numpy(history["loss"], "loss")
+    steps, loss = _float64(history["step"]), _float64(history["loss"])
     if loss.size < smooth or steps.shape != loss.shape:
         raise ValueError(f"need at least smooth={smooth} steps of matching step and loss, "
                          f"got {steps.shape} and {loss.shape}")
@@ -198,7 +191,7 @@ def _samples(samples: Mapping[str, Any]) -> dict[str, np.ndarray]:
 
 def _distances(distances: Any) -> np.ndarray:
     """Mean attention distances as (L, H); (H,) is one layer."""
-    array = _to_numpy(distances, "distances")
+    array = _float64(distances)
     array = array[None] if array.ndim == 1 else array
     if array.ndim != 2 or 0 in array.shape:
         raise ValueError(f"distances must have shape (L, H) or (H,), got {array.shape}")
@@ -301,7 +294,6 @@ def attention_heatmap(
     shared colour bar.
     """
     array = _check_weights(weights)
-    _positive(panel_size, "panel_size")
     batch, heads, length, _ = array.shape
     rows = _token_rows(tokens, batch, length)
     titles = _head_titles(titles, batch, heads, row_name)
@@ -375,7 +367,7 @@ def cosine_similarity_matrix(vectors: Any) -> torch.Tensor:
 
     A zero vector has no direction, so it is refused rather than given similarity 0.
     """
-    x = torch.from_numpy(_to_numpy(vectors, "vectors"))  # float64, finite
+    x = torch.from_numpy(_float64(vectors))  # float64, finite
     if x.dim() != 2 or 0 in x.shape:
         raise ValueError(f"vectors must have shape (N, D), got {tuple(x.shape)}")
     norms = x.norm(dim=1, keepdim=True)
@@ -410,7 +402,6 @@ def similarity_heatmap(
     titles = _titles(titles, default, str(len(arrays)))
     if limit is None:
         limit = max(float(np.abs(a).max()) for a in arrays) or 1.0
-    _positive(limit, "limit")
     fig, axes = _panels(1, len(arrays), (4.0 * len(arrays) + 1.0, 4.2))
     _heatmaps(axes, [arrays], cmap, (-limit, limit))
     for ax, panel_title in zip(axes[0], titles, strict=True):
@@ -444,7 +435,7 @@ def line_plot(
     scale.
     """
     styles = {} if styles is None else styles
-    xs, arrays = _check_series(x, series, styles)
+    xs, arrays = _check_series(x, series)
     fig, ax = plt.subplots(layout="constrained", figsize=(6.4, 3.6))
     for label, ys in arrays.items():
         style = {"marker": marker, "markersize": 3} | dict(styles.get(label, {}))
