@@ -47,7 +47,7 @@ $(STAMP): requirements.txt pyproject.toml
 # what it loads on demand (TeX extensions, the menu, the accessibility tools and
 # their speech-rule engine) and the woff-v2 fonts: those are copied to _mathjax/,
 # which Sphinx copies to _build/html/_static/ (see html_static_path in _config.yml).
-# The interactive figures (minigpt.viz.interactive_chart) are drawn by vega, vega-lite and
+# The interactive figures (minigpt.charts.interactive_chart) are drawn by vega, vega-lite and
 # vega-embed, pinned in package-lock.json: their three minified bundles (830 kB, 280 kB
 # gzipped) go to _vega/vega/ and from there to _build/html/_static/vega/, loaded only by
 # pages that show such a figure (_ext/minigpt_site.py).

@@ -1,4 +1,5 @@
-"""Scaled dot-product and multi-head attention: parity and invariants."""
+"""Scaled dot-product and multi-head attention: parity and invariants; the measures of what
+heads attend to (mean distance, mass on chosen keys)."""
 
 import math
 
@@ -8,9 +9,11 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minigpt.nn import (
+from minigpt.attention import (
     MultiHeadAttention,
+    attention_mass,
     causal_mask,
+    mean_attention_distance,
     merge_heads,
     scaled_dot_product_attention,
     split_heads,
@@ -132,3 +135,81 @@ def test_scaling_keeps_the_scores_at_unit_variance():
     scores = log_w - log_w.mean(dim=-1, keepdim=True)
     # The centred row of 32 entries has variance (31/32) sigma^2; unscaled it would be ~496.
     assert scores.var(dim=-1, unbiased=False).mean().item() == pytest.approx(31 / 32, rel=0.05)
+
+
+# ------------------------------------------------------------ what trained heads attend to
+
+def _weights(batch: int, heads: int, length: int, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.softmax(torch.randn(batch, heads, length, length, generator=generator), dim=-1)
+
+
+def test_mean_attention_distance_of_known_patterns():
+    length = 6
+    identity = torch.eye(length)  # every query looks at itself: distance 0
+    previous = torch.zeros(length, length)  # query i looks at i-1 (query 0 at itself)
+    previous[0, 0] = 1.0
+    previous[torch.arange(1, length), torch.arange(length - 1)] = 1.0
+    first = torch.zeros(length, length)  # every query looks at position 0: distance i
+    first[:, 0] = 1.0
+    weights = torch.stack([identity, previous, first])[None]  # (1, 3, T, T)
+    got = mean_attention_distance(weights)
+    expected = torch.tensor([0.0, (length - 1) / length, sum(range(length)) / length],
+                            dtype=torch.float64)
+    assert got.shape == (3,)
+    torch.testing.assert_close(got, expected)
+
+
+def test_mean_attention_distance_of_uniform_causal_rows():
+    length = 5
+    causal = torch.tril(torch.ones(length, length))
+    uniform = causal / causal.sum(dim=-1, keepdim=True)
+    # Query i spreads over 0..i: mean distance i/2; averaged over i: (T-1)/4.
+    got = mean_attention_distance(uniform.expand(3, 2, length, length))
+    torch.testing.assert_close(got, torch.full((2,), (length - 1) / 4, dtype=torch.float64))
+
+
+def test_mean_attention_distance_stacks_layers():
+    layers = [_weights(2, 4, 7, seed=s) for s in range(3)]
+    got = mean_attention_distance(layers)
+    assert got.shape == (3, 4)
+    torch.testing.assert_close(got, mean_attention_distance(torch.stack(layers)))
+    torch.testing.assert_close(got[1], mean_attention_distance(layers[1]))
+
+
+def test_mean_attention_distance_rejects_bad_input():
+    with pytest.raises(ValueError, match=r"\(B, H, T, T\)"):
+        mean_attention_distance(torch.rand(3, 3))
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):  # raw scores, not weights
+        mean_attention_distance(torch.full((1, 1, 2, 2), 2.0))
+
+
+def test_attention_mass_on_positions_and_tokens():
+    length = 4
+    previous = torch.zeros(length, length)
+    previous[0, 0] = 1.0
+    previous[torch.arange(1, length), torch.arange(length - 1)] = 1.0
+    causal = torch.tril(torch.ones(length, length))
+    uniform = causal / causal.sum(dim=-1, keepdim=True)
+    weights = torch.stack([previous, uniform])[None]  # (1, 2, T, T)
+    prev_key = torch.diag(torch.ones(length - 1), -1).bool()  # key j = i - 1
+    got = attention_mass(weights, prev_key)
+    # Query 0 has no previous key and is left out; the uniform head gives 1/(i+1) to it.
+    expected = torch.tensor([1.0, (1 / 2 + 1 / 3 + 1 / 4) / 3], dtype=torch.float64)
+    torch.testing.assert_close(got, expected)
+    # A property of the key tokens, (B, 1, T): position 2 is "a space".
+    is_space = torch.tensor([[False, False, True, False]])[:, None, :]
+    got = attention_mass(weights, is_space)
+    # Every query counts (each has a key selected, even if it cannot see it yet).
+    torch.testing.assert_close(got, torch.tensor([0.25, (1 / 3 + 1 / 4) / 4],
+                                                 dtype=torch.float64))
+    stacked = attention_mass([weights, weights], prev_key)
+    assert stacked.shape == (2, 2)
+
+
+def test_attention_mass_rejects_bad_masks():
+    weights = _weights(2, 1, 3)
+    with pytest.raises(ValueError, match="broadcast"):
+        attention_mass(weights, torch.ones(3, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="no key"):
+        attention_mass(weights, torch.zeros(3, 3, dtype=torch.bool))

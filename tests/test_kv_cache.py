@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from minigpt import GPT, GPTConfig
-from minigpt.nn import KVCache, LayerKVCache, MultiHeadAttention, causal_mask
+from minigpt.attention import KVCache, LayerKVCache, MultiHeadAttention, causal_mask
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

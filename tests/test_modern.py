@@ -15,17 +15,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from minigpt import GPT, GPTConfig
+from minigpt.attention import MultiHeadAttention
 from minigpt.classify import GPTClassifier
 from minigpt.config import MODERN_LAYOUT, TrainConfig
 from minigpt.decoding import beam_search, generate
-from minigpt.nn import (
-    FeedForward,
-    MultiHeadAttention,
-    RMSNorm,
-    RotaryEmbedding,
-    apply_rope,
-    rope_angles,
-)
+from minigpt.nn import FeedForward, RMSNorm, RotaryEmbedding, apply_rope, rope_angles
 from minigpt.optim import (
     Muon,
     MuonAdamW,

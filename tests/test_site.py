@@ -652,7 +652,7 @@ def test_axe_finds_what_it_should(driver: Any) -> None:
 
 
 # --------------------------------------------------------------------------
-# The interactive figures (minigpt.viz.interactive_chart): drawn by the site's own vega,
+# The interactive figures (minigpt.charts.interactive_chart): drawn by the site's own vega,
 # and what they draw for a setting of their controls is what the package computes.
 # --------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-/* Draws the book's interactive figures (minigpt.viz.interactive_chart) with the site's own
+/* Draws the book's interactive figures (minigpt.charts.interactive_chart) with the site's own
  * vega, vega-lite and vega-embed (_static/vega/, from npm): no kernel, no network.
  *
  * Each figure is a div.minigpt-chart holding its Vega-Lite specification as JSON in a

@@ -7,7 +7,7 @@
  * runs them. Nothing is fetched until the reader first asks for text, and nothing comes
  * from another host. Text appears character by character in an aria-live region; the
  * attention of any layer and head over the text is drawn with the book's Vega-Lite heatmap
- * (minigpt.viz.attention_explorer, whose specification playground.json holds).
+ * (minigpt.charts.attention_explorer, whose specification playground.json holds).
  *
  * The tokenizer and the sampler below are written to match the package operation for
  * operation: CharTokenizer.encode_ordinary / decode (minigpt.tokenizer), apply_temperature,

@@ -25,8 +25,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from minigpt.attention import KVCache
 from minigpt.model import GPT
-from minigpt.nn import KVCache
 
 _INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 

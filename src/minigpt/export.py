@@ -5,13 +5,13 @@ onnxruntime-web: the book model (GPT-2's recipe), the modern model and the fine-
 assistant ``sft-0``. Each is exported by PyTorch's exporter (`torch.onnx.export`) as a graph
 from ids (1, T) to the logits (1, T, V) and the attention weights of every layer and head,
 (1, L, H, T, T): `GPT.forward_with_attention`, whose attention is the written-out softmax
-the chapters show (`nn.scaled_dot_product_attention`; PyTorch's fused kernel returns no
+the chapters show (`attention.scaled_dot_product_attention`; PyTorch's fused kernel returns no
 weights). T is dynamic, 1 to the context length. Every export is run by onnxruntime on
 held-out text at once, and refused unless its logits and weights are the package's.
 
 ``python -m minigpt.export OUT`` writes into the folder OUT one ``<name>.onnx`` per model and
 ``playground.json``: each model's vocabulary and shape, its chat tokens (the assistant's),
-the Vega-Lite specification of the attention heatmap (`viz.attention_explorer`), whose data
+the Vega-Lite specification of the attention heatmap (`charts.attention_explorer`), whose data
 the page replaces with the weights it computes, and a greedy sample of each model.
 """
 
@@ -181,9 +181,9 @@ def greedy_sample(gpt: GPT, tokenizer: CharTokenizer, prompt: str,
 
 
 def heatmap_spec(gpt: GPT, tokenizer: CharTokenizer) -> dict[str, Any]:
-    """The attention heatmap's Vega-Lite specification (`viz.attention_explorer`), drawn
+    """The attention heatmap's Vega-Lite specification (`charts.attention_explorer`), drawn
     for a short text: the page keeps its marks and controls and replaces its data."""
-    from minigpt.viz import attention_explorer
+    from minigpt.charts import attention_explorer
 
     ids = torch.tensor([tokenizer.encode_ordinary("To be")])
     with torch.no_grad():

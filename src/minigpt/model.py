@@ -13,10 +13,10 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
+from minigpt.attention import KVCache
 from minigpt.config import GPTConfig
 from minigpt.nn import (
     Block,
-    KVCache,
     LayerNorm,
     LearnedPositionalEmbedding,
     RMSNorm,

@@ -62,9 +62,9 @@ log = logging.getLogger(__name__)
 #: The package's modules that importing this one loads: the code that trains a model. Their
 #: source is part of the cache key (`source_sha256`), so a change to any of them rebuilds the
 #: models (tests/test_pretrained.py checks that the list is what importing this module loads).
-TRAINING_MODULES = ("__init__", "assets", "checkpoint", "config", "data", "decoding", "files",
-                    "losses", "model", "nn", "optim", "parallel", "pretrained", "tokenizer",
-                    "train")
+TRAINING_MODULES = ("__init__", "assets", "attention", "checkpoint", "config", "data",
+                    "decoding", "files", "losses", "model", "nn", "optim", "parallel",
+                    "pretrained", "tokenizer", "train")
 #: Optimiser steps of the modern book model.
 MODERN_BOOK_STEPS = 400
 WEIGHTS_NAME = "model.pt"

@@ -1,23 +1,22 @@
-"""The figures the chapters show: attention heatmaps, positional encodings, similarities.
+"""The static figures the chapters show: attention heatmaps, positional encodings,
+similarities, curves, bars, histograms and the architecture diagram.
 
 Heatmaps, grouped bars, histograms and curves over several runs are drawn by seaborn,
 single curves and diagrams by matplotlib, always on axes made with pyplot (a notebook
 shows a figure with `plt.show()`; nothing here calls it); every function returns the
 `Figure`, which tests inspect. seaborn's theme is never set: figures keep matplotlib's
 style, whose opaque white background reads the same in the site's light and dark modes.
-Input is checked by small helpers before anything is drawn (a wrong rank, a token list
+The data a reader passes is checked before anything is drawn (a wrong rank, a token list
 of the wrong length or weights outside [0, 1] raise a `ValueError` saying what was
 expected). Colour maps follow the data: sequential with limits fixed to [0, 1] for
-attention weights, diverging and centred at 0 for signed values.
+attention weights, diverging and centred at 0 for signed values. The interactive figures
+are in `charts`; the measures of what heads attend to are in `attention`.
 
 Shapes use the book's notation: B batch, H heads, L layers, T positions, D model width.
 """
 
 from __future__ import annotations
 
-import html
-import json
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -51,7 +50,7 @@ def display_token(token: str) -> str:
 
 # ------------------------------------------------------------------ checks of the input
 
-def _to_numpy(values: Any, name: str) -> np.ndarray:
+def _float64(values: Any) -> np.ndarray:
     """A float64 NumPy copy of a tensor or array-like."""
     if isinstance(values, torch.Tensor):
         return values.detach().to("cpu", torch.float64).numpy()
@@ -62,29 +61,21 @@ def _named(entries: Mapping[str, Any], name: str) -> dict[str, np.ndarray]:
     """A non-empty {label: values} mapping as {label: float64 array}."""
     if not entries:
         raise ValueError(f"{name} is empty; pass at least one {{label: values}} entry")
-    return {label: _to_numpy(v, f"{name} {label!r}") for label, v in entries.items()}
+    return {label: _float64(v) for label, v in entries.items()}
 
 
-def _positive(value: float, name: str) -> None:
-    if not value > 0:
-        raise ValueError(f"{name} must be a positive number, got {value!r}")
-
-
-def _check_weights(weights: Any, name: str = "weights") -> np.ndarray:
+def _check_weights(weights: Any) -> np.ndarray:
     """Attention weights as a (B, H, T, T) array; (H, T, T) and (T, T) gain leading axes."""
-    array = _to_numpy(weights, name)
-    if array.ndim not in (2, 3, 4):
-        raise ValueError(f"{name} must have shape (B, H, T, T), (H, T, T) or (T, T); "
-                         f"got rank {array.ndim} with shape {array.shape}")
-    while array.ndim < 4:
-        array = array[None]
-    if array.shape[-1] != array.shape[-2] or 0 in array.shape:
-        raise ValueError(f"{name} must end in a non-empty square (T, T) block of queries x "
-                         f"keys, got shape {array.shape}")
+    array = _float64(weights)
+    if not 2 <= array.ndim <= 4 or array.shape[-1] != array.shape[-2] or 0 in array.shape:
+        raise ValueError(f"weights must have shape (B, H, T, T), (H, T, T) or (T, T), "
+                         f"queries x keys; got shape {array.shape}")
     low, high = float(array.min()), float(array.max())
     if low < -_WEIGHT_TOLERANCE or high > 1 + _WEIGHT_TOLERANCE:
-        raise ValueError(f"{name} must lie in [0, 1] (they are probabilities), found values "
+        raise ValueError(f"weights must lie in [0, 1] (they are probabilities), found values "
                          f"in [{low:.4g}, {high:.4g}]; pass softmax outputs, not raw scores")
+    while array.ndim < 4:
+        array = array[None]
     return array
 
 
@@ -123,7 +114,7 @@ def _head_titles(titles: Sequence[str] | None, batch: int, heads: int,
 
 
 def _encoding(encoding: Any) -> np.ndarray:
-    array = _to_numpy(encoding, "encoding")
+    array = _float64(encoding)
     if array.ndim != 2 or 0 in array.shape:
         raise ValueError(f"encoding must have shape (T, D), got {array.shape}")
     return array
@@ -146,22 +137,21 @@ def _line_grid(dims: Sequence[int], width: int, num_positions: int, total: int,
 def _square_matrices(matrices: Any) -> list[np.ndarray]:
     """One (N, N) matrix, a (K, N, N) stack or a sequence of K matrices, as K arrays."""
     if isinstance(matrices, list | tuple):
-        arrays = [_to_numpy(m, "matrices") for m in matrices]
+        arrays = [_float64(m) for m in matrices]
     else:
-        stacked = _to_numpy(matrices, "matrices")
+        stacked = _float64(matrices)
         arrays = [stacked] if stacked.ndim == 2 else list(stacked)
-    if not arrays:
-        raise ValueError("matrices is empty; pass at least one (N, N) matrix")
-    for k, a in enumerate(arrays):
-        if a.ndim != 2 or a.shape[0] != a.shape[1] or a.shape[0] == 0:
-            raise ValueError(f"matrix {k} must be square (N, N), got shape {a.shape}")
+    if not arrays or any(a.ndim != 2 or a.shape[0] != a.shape[1] or 0 in a.shape
+                         for a in arrays):
+        raise ValueError(f"matrices must be square (N, N), one, a (K, N, N) stack or a "
+                         f"sequence; got shapes {[a.shape for a in arrays]}")
     return arrays
 
 
-def _check_series(x: Any, series: Mapping[str, Any],
-                  styles: Mapping[str, Any]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+def _check_series(x: Any,
+                  series: Mapping[str, Any]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """x as (N,), each series as (N,) (one curve) or (S, N) (S runs, e.g. seeds)."""
-    xs = _to_numpy(x, "x")
+    xs = _float64(x)
     if xs.ndim != 1 or xs.size == 0:
         raise ValueError(f"x must be a non-empty 1-D sequence, got shape {xs.shape}")
     arrays = _named(series, "series")
@@ -178,7 +168,7 @@ def _check_history(history: Mapping[str, Sequence[float]],
     missing = {"step", "loss", "eval_step", "train_loss", "val_loss"} - set(history)
     if missing:
         raise ValueError(f"history lacks {sorted(missing)}; pass a History's fields")
-    steps, loss = _to_numpy(history["step"], "step"), _to_numpy(history["loss"], "loss")
+    steps, loss = _float64(history["step"]), _float64(history["loss"])
     if loss.size < smooth or steps.shape != loss.shape:
         raise ValueError(f"need at least smooth={smooth} steps of matching step and loss, "
                          f"got {steps.shape} and {loss.shape}")
@@ -201,7 +191,7 @@ def _samples(samples: Mapping[str, Any]) -> dict[str, np.ndarray]:
 
 def _distances(distances: Any) -> np.ndarray:
     """Mean attention distances as (L, H); (H,) is one layer."""
-    array = _to_numpy(distances, "distances")
+    array = _float64(distances)
     array = array[None] if array.ndim == 1 else array
     if array.ndim != 2 or 0 in array.shape:
         raise ValueError(f"distances must have shape (L, H) or (H,), got {array.shape}")
@@ -304,7 +294,6 @@ def attention_heatmap(
     shared colour bar.
     """
     array = _check_weights(weights)
-    _positive(panel_size, "panel_size")
     batch, heads, length, _ = array.shape
     rows = _token_rows(tokens, batch, length)
     titles = _head_titles(titles, batch, heads, row_name)
@@ -378,7 +367,7 @@ def cosine_similarity_matrix(vectors: Any) -> torch.Tensor:
 
     A zero vector has no direction, so it is refused rather than given similarity 0.
     """
-    x = torch.from_numpy(_to_numpy(vectors, "vectors"))  # float64, finite
+    x = torch.from_numpy(_float64(vectors))  # float64, finite
     if x.dim() != 2 or 0 in x.shape:
         raise ValueError(f"vectors must have shape (N, D), got {tuple(x.shape)}")
     norms = x.norm(dim=1, keepdim=True)
@@ -413,7 +402,6 @@ def similarity_heatmap(
     titles = _titles(titles, default, str(len(arrays)))
     if limit is None:
         limit = max(float(np.abs(a).max()) for a in arrays) or 1.0
-    _positive(limit, "limit")
     fig, axes = _panels(1, len(arrays), (4.0 * len(arrays) + 1.0, 4.2))
     _heatmaps(axes, [arrays], cmap, (-limit, limit))
     for ax, panel_title in zip(axes[0], titles, strict=True):
@@ -447,7 +435,7 @@ def line_plot(
     scale.
     """
     styles = {} if styles is None else styles
-    xs, arrays = _check_series(x, series, styles)
+    xs, arrays = _check_series(x, series)
     fig, ax = plt.subplots(layout="constrained", figsize=(6.4, 3.6))
     for label, ys in arrays.items():
         style = {"marker": marker, "markersize": 3} | dict(styles.get(label, {}))
@@ -531,93 +519,6 @@ def histogram_plot(
     return fig
 
 
-def _layers(weights: Any) -> tuple[np.ndarray, bool]:
-    """(L, B, H, T, T) float64 from one layer's (B, H, T, T), a stack or a list of layers;
-    also whether the input was a stack (so the result keeps its L axis)."""
-    if isinstance(weights, list | tuple):
-        layers = [_to_numpy(w, f"weights[{k}]") for k, w in enumerate(weights)]
-        if any(w.ndim != 4 for w in layers) or len({w.shape for w in layers}) != 1:
-            raise ValueError("each layer's weights must have the same shape (B, H, T, T), "
-                             f"got {[w.shape for w in layers]}")
-        array, stacked = np.stack(layers), True
-    else:
-        array = _to_numpy(weights, "weights")
-        if array.ndim not in (4, 5):
-            raise ValueError(f"weights must have shape (B, H, T, T) or (L, B, H, T, T), "
-                             f"got {array.shape}")
-        stacked = array.ndim == 5
-        array = array if stacked else array[None]
-    if array.shape[-1] != array.shape[-2]:
-        raise ValueError(f"weights must end in a square (T, T) block, got shape "
-                         f"{array.shape}")
-    _check_weights(array.reshape(-1, *array.shape[-2:]))  # in [0, 1]: not raw scores
-    return array, stacked
-
-
-def mean_attention_distance(weights: Any) -> torch.Tensor:
-    """How far back (or ahead) each head looks, on average, in positions.
-
-    For query i the expected distance is sum_j w[i, j] |i - j|; it is averaged over
-    the T queries (each query counts once) and the B sequences.
-
-    Args:
-        weights: (B, H, T, T) for one layer, or (L, B, H, T, T) / a list of L
-            (B, H, T, T) tensors (what `GPT.forward_with_attention` returns) for a
-            stack. Each row must be a probability distribution (entries in [0, 1],
-            summing to 1).
-
-    Returns: (H,) for one layer, (L, H) for a stack; float64.
-    """
-    array, stacked = _layers(weights)
-    length = array.shape[-1]
-    idx = np.arange(length)
-    distance = np.abs(idx[:, None] - idx[None, :])  # (T, T): |i - j|
-    per_query = (array * distance).sum(axis=-1)  # (L, B, H, T)
-    result = torch.from_numpy(per_query.mean(axis=(1, 3)))  # (L, H)
-    return result if stacked else result[0]
-
-
-def _key_mask(keys: Any, batch: int, length: int) -> tuple[np.ndarray, np.ndarray]:
-    """`keys` as a (B, T, T) boolean mask, and which (B, T) queries have a key in it."""
-    mask = keys.detach().cpu().numpy() if isinstance(keys, torch.Tensor) else np.asarray(keys)
-    try:
-        mask = np.broadcast_to(mask, (batch, length, length))
-    except ValueError:
-        raise ValueError(f"keys has shape {mask.shape}, which does not broadcast to "
-                         f"(B, T, T) = {(batch, length, length)}") from None
-    has_key = np.asarray(mask.any(axis=-1))
-    if not has_key.any():
-        raise ValueError("keys selects no key for any query")
-    return mask, has_key
-
-
-def attention_mass(weights: Any, keys: Any) -> torch.Tensor:
-    """The share of attention each head gives to a chosen set of keys, on average.
-
-    For sequence b and query i, the mass is sum_j w[i, j] over the selected keys j;
-    it is averaged over every (b, i) that has at least one selected key (a query
-    with none, e.g. query 0 when the keys are "the previous position", is left out
-    rather than counted as 0).
-
-    Args:
-        weights: as for `mean_attention_distance`: (B, H, T, T), (L, B, H, T, T) or
-            a list of L (B, H, T, T).
-        keys: boolean, broadcastable to (B, T, T) (sequence, query, key): (T, T) for
-            a pattern of positions such as "the previous position", (B, 1, T) for a
-            property of the key tokens such as "is a space", (B, T, T) for anything
-            else.
-
-    Returns: (H,) for one layer, (L, H) for a stack; float64, each in [0, 1].
-    """
-    array, stacked = _layers(weights)
-    _, batch, _, length, _ = array.shape
-    mask, has_key = _key_mask(keys, batch, length)  # (B, T, T), (B, T)
-    mass = (array * mask[None, :, None]).sum(axis=-1)  # (L, B, H, T)
-    mean = (mass * has_key[None, :, None]).sum(axis=(1, 3)) / has_key.sum()
-    result = torch.from_numpy(mean)
-    return result if stacked else result[0]
-
-
 def attention_distance_bars(
     distances: Any,
     *,
@@ -628,7 +529,7 @@ def attention_distance_bars(
     """Grouped bars of mean attention distance: one group per layer, one bar per head.
 
     Args:
-        distances: (L, H) or (H,), e.g. from `mean_attention_distance`.
+        distances: (L, H) or (H,), e.g. from `attention.mean_attention_distance`.
         reference: draw a dashed horizontal line at this distance (e.g. (T - 1) / 4, the
             distance of a head that spreads evenly over a causal context of T positions).
     """
@@ -748,402 +649,3 @@ def _decoder_block(sk: _Sketch, size: dict[str, str]) -> None:
         sk.arrow(1.6, bottom, 4.7, bottom)
     sk.ax.text(1.45, 14.7, "residual", rotation=90, ha="right", va="center", fontsize=8.5)
     sk.ax.text(1.45, 10.7, "residual", rotation=90, ha="right", va="center", fontsize=8.5)
-
-
-# ------------------------------------------------------------------ interactive figures
-# A reader of the site cannot run a cell, but can move a slider: these figures are
-# Vega-Lite specifications (built with Altair) that the page's own vega draws, computing
-# what the sliders change in the browser. `interactive_chart` writes one as HTML: a
-# container with a stable id, a text alternative and the specification as JSON; the site's
-# script (_ext/static/minigpt-charts.js) draws every such container. Values are rounded
-# so that a notebook's stored output is the same on every run.
-
-_CHART_ID = re.compile(r"[a-z][a-z0-9-]*")
-_JSON_IN_HTML = {"<": "\\u003c", ">": "\\u003e", "&": "\\u0026"}
-
-
-class InteractiveChart:
-    """A Vega-Lite chart shown as HTML (`_repr_html_`), described in text (`repr`)."""
-
-    def __init__(self, spec: dict[str, Any], chart_id: str, description: str) -> None:
-        self.spec, self.chart_id, self.description = spec, chart_id, description
-
-    @property
-    def element_id(self) -> str:
-        return f"minigpt-chart-{self.chart_id}"
-
-    def to_json(self) -> str:
-        """The specification as compact JSON that is safe inside a <script> element."""
-        text = json.dumps(self.spec, separators=(",", ":"), sort_keys=True, allow_nan=False)
-        return "".join(_JSON_IN_HTML.get(c, c) for c in text)
-
-    def _repr_html_(self) -> str:
-        alt_id = f"{self.element_id}-alt"
-        return (f'<div class="minigpt-chart" id="{self.element_id}" role="figure" '
-                f'aria-describedby="{alt_id}" data-chart-state="waiting">\n'
-                f'<p class="minigpt-chart-alt" id="{alt_id}">{html.escape(self.description)}'
-                f'</p>\n<div class="minigpt-chart-view"></div>\n'
-                f'<script type="application/json" class="minigpt-chart-spec">{self.to_json()}'
-                f"</script>\n</div>")
-
-    def __repr__(self) -> str:
-        return f"Interactive chart {self.chart_id!r}: {self.description}"
-
-
-def interactive_chart(chart: Any, chart_id: str, *, description: str) -> InteractiveChart:
-    """A Vega-Lite chart (an Altair chart or a specification dict) as a notebook output.
-
-    Args:
-        chart: an Altair chart, or a Vega-Lite specification as a dict.
-        chart_id: the figure's name, unique on its page: lowercase letters, digits and
-            hyphens (the container's id is ``minigpt-chart-<chart_id>``).
-        description: the text alternative: what the chart shows and how to use it.
-    """
-    if not isinstance(chart_id, str) or not _CHART_ID.fullmatch(chart_id):
-        raise ValueError(f"chart_id must be lowercase letters, digits and hyphens, starting "
-                         f"with a letter, got {chart_id!r}")
-    if not isinstance(description, str) or not description.strip():
-        raise ValueError("description must be a non-empty text alternative of the chart")
-    spec = dict(chart) if isinstance(chart, Mapping) else chart.to_dict()
-    if "$schema" not in spec:
-        raise ValueError("chart must be an Altair chart or a Vega-Lite specification "
-                         "with a $schema")
-    return InteractiveChart(spec, chart_id, " ".join(description.split()))
-
-
-def _rounded(values: Any, digits: int) -> list[Any]:
-    """Nested lists of floats rounded to ``digits`` decimals (stable, compact JSON)."""
-    return np.round(_to_numpy(values, "values"), digits).tolist()  # type: ignore[no-any-return]
-
-
-def _sampling_sliders(names: list[str], V: int) -> list[Any]:
-    """The selector of the prompt and the sliders of τ, k and ρ."""
-    import altair as alt
-
-    prompt = alt.param(name="prompt", value=names[0],
-                       bind=alt.binding_select(options=names, name="prompt:"))
-    tau = alt.param(name="temperature", value=1.0,
-                    bind=alt.binding_range(min=0.05, max=3, step=0.05, name="temperature τ:"))
-    top_k = alt.param(name="top_k", value=V,
-                      bind=alt.binding_range(min=1, max=V, step=1, name="top-k:"))
-    top_p = alt.param(name="top_p", value=1.0,
-                      bind=alt.binding_range(min=0.05, max=1, step=0.01, name="top-p ρ:"))
-    return [prompt, tau, top_k, top_p]
-
-
-def _reshaped_distribution() -> Any:
-    """The chosen prompt's rows with p_tau (tempered), kept (top-k, then top-p) and q."""
-    import altair as alt
-
-    by_logit: list[Any] = [alt.SortField("z", order="descending")]
-    return (alt.Chart(alt.NamedData(name="logits"))
-            .transform_filter("datum.prompt == prompt")
-            .transform_calculate(zt="datum.z / temperature")
-            .transform_joinaggregate(zmax="max(zt)")
-            .transform_calculate(e="exp(datum.zt - datum.zmax)")
-            .transform_joinaggregate(esum="sum(e)")
-            .transform_calculate(p_tau="datum.e / datum.esum")
-            .transform_window(rank="rank()", sort=by_logit)
-            .transform_calculate(ek="datum.rank <= top_k ? datum.e : 0")
-            .transform_joinaggregate(eksum="sum(ek)")
-            .transform_calculate(pk="datum.ek / datum.eksum")
-            .transform_window(cum="sum(pk)", sort=by_logit, frame=[None, 0])
-            .transform_calculate(kept="datum.ek > 0 && (top_p >= 1 || datum.cum - datum.pk"
-                                      " < top_p) ? 1 : 0")
-            .transform_calculate(qk="datum.kept ? datum.pk : 0")
-            .transform_joinaggregate(qsum="sum(qk)")
-            .transform_calculate(q="datum.qk / datum.qsum"))
-
-
-def _sampling_bars(base: Any, shown: int) -> Any:
-    """Grey bars of p_tau behind blue bars of q, for the ``shown`` most likely tokens."""
-    import altair as alt
-
-    x = alt.X("token:N", sort=alt.EncodingSortField("z", order="descending"),
-              title=f"the {shown} most likely next tokens", axis=alt.Axis(labelAngle=0))
-    drawn = base.transform_filter(f"datum.rank <= {shown}")
-    before = drawn.mark_bar(color="#d0d0d0", width={"band": 0.9}).encode(
-        x=x, y=alt.Y("p_tau:Q", title="probability", scale=alt.Scale(domain=[0, 1])))
-    after = drawn.mark_bar(color="#3b6fb6", width={"band": 0.5}).encode(
-        x=x, y="q:Q", tooltip=[alt.Tooltip("token:N"), alt.Tooltip("p_tau:Q", format=".3f",
-                                                                   title="p_tau"),
-                               alt.Tooltip("q:Q", format=".3f", title="sampled from")])
-    return alt.layer(before, after.properties(name="kept")).properties(width=620, height=220)
-
-
-def _sampling_summary(base: Any, V: int) -> Any:
-    """The line above the bars: tokens kept, the mass of p_tau they hold, the entropy."""
-    return (base.transform_calculate(h="datum.q > 0 ? -datum.q * log(datum.q) : 0",
-                                     mass="datum.kept ? datum.p_tau : 0")
-            .transform_aggregate(entropy="sum(h)", kept_mass="sum(mass)",
-                                 kept_tokens="sum(kept)")
-            .transform_calculate(text=f"'keeps ' + datum.kept_tokens + ' of {V} tokens, "
-                                      "holding ' + format(datum.kept_mass, '.3f') + ' of "
-                                      "p_tau; entropy ' + format(datum.entropy, '.3f') + "
-                                      "' nats'")
-            .mark_text(align="left", x=0, fontSize=13).encode(text="text:N")
-            .properties(name="summary", width=620, height=20))
-
-
-def sampling_explorer(logits: Any, prompts: Sequence[str], tokens: Sequence[str], *,
-                      shown: int = 20) -> InteractiveChart:
-    """The next-token distributions after ``prompts``, reshaped by sliders in the browser.
-
-    The page computes what `decoding.next_token_distribution` computes: softmax(z / tau),
-    top-k (ties with the k-th logit kept), then the nucleus of the top-k distribution, and
-    draws, for the ``shown`` most likely tokens, the tempered distribution and what is kept,
-    with the entropy, the number of tokens kept and the mass of p_tau they hold.
-
-    Args:
-        logits: (P, V), one row per prompt.
-        prompts: the P prompts (their last 12 characters name them in the selector).
-        tokens: the V tokens, in id order.
-        shown: how many of the most likely tokens are drawn.
-    """
-    import altair as alt
-
-    z = _to_numpy(logits, "logits")
-    if z.ndim != 2 or z.shape[0] != len(prompts) or z.shape[1] != len(tokens):
-        raise ValueError(f"logits must have shape (P, V) = ({len(prompts)}, {len(tokens)}), "
-                         f"got {z.shape}")
-    names = ["…" + display_token(p[-12:]) for p in prompts]
-    rows = [{"prompt": name, "token": display_token(t), "z": v}
-            for name, row in zip(names, _rounded(z, 4), strict=True)
-            for t, v in zip(tokens, row, strict=True)]
-    sliders = _sampling_sliders(names, len(tokens))
-    base = _reshaped_distribution()
-    bars = _sampling_bars(base, shown)
-    chart = (alt.vconcat(_sampling_summary(base, len(tokens)), bars)
-             .add_params(*sliders)
-             .properties(datasets={"logits": rows},
-                         description="Next-token distribution with sampling sliders"))
-    return interactive_chart(
-        chart, "sampling-explorer",
-        description=f"Bar chart of the book model's next-character distribution after a "
-                    f"prompt (selector: {', '.join(names)}), the {shown} most likely "
-                    f"characters: grey bars are softmax(z / τ), blue bars what sampling draws "
-                    f"from after top-k and top-p. Sliders set τ, k and ρ; a line above reports "
-                    f"the tokens kept, their mass and the entropy.")
-
-
-def attention_explorer(maps: Sequence[Any], tokens: Sequence[str]) -> InteractiveChart:
-    """One head's attention weights at a time, chosen by layer and head; hover a cell to
-    read its query, key and weight.
-
-    Args:
-        maps: L tensors of shape (1, H, T, T) (`GPT.forward_with_attention`) or (H, T, T).
-        tokens: the T tokens of the sequence.
-    """
-    import altair as alt
-
-    layers = [_check_weights(m, f"maps[{i}]")[0] for i, m in enumerate(maps)]  # (H, T, T)
-    if not layers:
-        raise ValueError("maps is empty; pass one (1, H, T, T) tensor per layer")
-    heads, length = layers[0].shape[0], layers[0].shape[-1]
-    shown = _token_rows(list(tokens), 1, length)[0]
-    # Weights in thousandths, the causal half only: compact and stable.
-    rows = [{"layer": li, "head": h, "query": q,
-             "w": np.rint(w[h, q, :q + 1] * 1000).astype(int).tolist()}
-            for li, w in enumerate(layers) for h in range(heads) for q in range(length)]
-    layer = alt.param(name="layer", value=0, bind=alt.binding_select(
-        options=list(range(len(layers))), labels=[f"layer {i}" for i in range(len(layers))],
-        name="layer:"))
-    head = alt.param(name="head", value=0, bind=alt.binding_select(
-        options=list(range(heads)), labels=[f"head {h}" for h in range(heads)], name="head:"))
-    names = alt.param(name="tokens", value=shown)
-    hover = alt.selection_point(name="cell", on="pointerover", clear="pointerout",
-                                fields=["query", "key"], empty=False)
-    label = "tokens[datum.value]"
-    chart = (alt.Chart(alt.InlineData(values=rows))
-             .transform_filter("datum.layer == layer && datum.head == head")
-             .transform_flatten(["w"], as_=["thousandths"])
-             .transform_window(index="row_number()", groupby=["query"])
-             .transform_calculate(key="datum.index - 1", weight="datum.thousandths / 1000",
-                                  query_token="tokens[datum.query]",
-                                  key_token="tokens[datum.index - 1]")
-             .mark_rect()
-             .encode(x=alt.X("key:O", title="key (attended to)",
-                             axis=alt.Axis(labelExpr=label, labelAngle=0, orient="top")),
-                     y=alt.Y("query:O", title="query (attending)",
-                             axis=alt.Axis(labelExpr=label)),
-                     color=alt.Color("weight:Q", scale=alt.Scale(scheme="viridis",
-                                                                 domain=[0, 1]),
-                                     title="weight"),
-                     stroke=alt.condition(hover, alt.value("#e4572e"), alt.value(None)),
-                     strokeWidth=alt.condition(hover, alt.value(2), alt.value(0)),
-                     tooltip=[alt.Tooltip("query_token:N", title="query"),
-                              alt.Tooltip("query:O", title="query position"),
-                              alt.Tooltip("key_token:N", title="key"),
-                              alt.Tooltip("key:O", title="key position"),
-                              alt.Tooltip("weight:Q", format=".3f")])
-             .add_params(layer, head, names, hover)
-             .properties(name="cells", width=14 * length, height=14 * length,
-                         description="Attention weights of one head"))
-    return interactive_chart(
-        chart, "attention-explorer",
-        description=f"Heatmap of the attention weights of one head of the book model on "
-                    f"{length} held-out characters: rows are queries, columns keys, "
-                    f"brighter is more weight, the upper triangle is masked. Selectors choose "
-                    f"the layer (0 to {len(layers) - 1}) and the head (0 to {heads - 1}); "
-                    f"hovering a cell shows its query, key and weight.")
-
-
-def _rotation_layers(length: int, width: int, base: float) -> list[Any]:
-    """One panel's layers: the unit circle, P[p] and its spoke, P[p] rotated by omega_i k
-    with its spoke and angle, and the ring around P[p + k]."""
-    import altair as alt
-
-    axis: dict[str, Any] = {"scale": alt.Scale(domain=[-1.15, 1.15]), "axis": None,
-                            "title": None}
-    xy = {"x": alt.X("cos:Q", **axis), "y": alt.Y("sin:Q", **axis)}
-    rotated_xy = {"x": alt.X("rot_cos:Q", **axis), "y": alt.Y("rot_sin:Q", **axis)}
-    centre = {"x2": alt.datum(0), "y2": alt.datum(0)}
-    base_chart = alt.Chart().properties(width=150, height=150)
-    # The unit circle, drawn through one point per row of the pair.
-    circle = (base_chart.transform_calculate(t=f"2 * PI * datum.pos / {length - 1}")
-              .transform_calculate(cos="cos(datum.t)", sin="sin(datum.t)")
-              .mark_line(color="#bbbbbb", strokeWidth=1).encode(**xy, order="pos:Q"))
-    start = (base_chart.transform_filter("datum.pos == position")
-             .transform_calculate(phi=f"pow({base}, -2 * datum.pair / {width}) * offset")
-             .transform_calculate(
-                 rot_cos="datum.cos * cos(datum.phi) - datum.sin * sin(datum.phi)",
-                 rot_sin="datum.sin * cos(datum.phi) + datum.cos * sin(datum.phi)",
-                 degrees="(datum.phi * 180 / PI) % 360")
-             .transform_calculate(label="'ω k = ' + format(datum.degrees, '.0f') + '°'"))
-    origin = start.mark_rule(color="#888888").encode(**xy, **centre)
-    spoke = start.mark_rule(color="#e4572e").encode(**rotated_xy, **centre)
-    from_p = start.mark_point(filled=True, color="#555555", size=50).encode(**xy)
-    target = (base_chart.transform_filter("datum.pos == position + offset")
-              .mark_point(color="black", size=220, strokeWidth=1.5)
-              .encode(**xy).properties(name="target"))
-    rotated = (start.mark_point(filled=True, color="#e4572e", size=70)
-               .encode(**rotated_xy, tooltip=[alt.Tooltip("degrees:Q", format=".1f",
-                                                          title="angle ω k (degrees)")])
-               .properties(name="rotated"))
-    angle = start.mark_text(x=4, y=8, align="left", fontSize=11).encode(text="label:N")
-    return [circle, origin, spoke, from_p, target, rotated, angle]
-
-
-def rotation_explorer(encoding: Any, pairs: Sequence[int], *, base: float = 10000.0,
-                      max_offset: int | None = None) -> InteractiveChart:
-    """Sliders over the position p and the offset k: for each pair i of dimensions, the
-    point P[p] of the sinusoidal encoding rotated by the angle omega_i k, which lands on
-    P[p + k].
-
-    The page rotates P[p] itself; the ring drawn around the rotated point is P[p + k] as
-    `encoding` holds it.
-
-    Args:
-        encoding: P, the (T, D) sinusoidal encoding (`nn.sinusoidal_encoding`).
-        pairs: the pairs i of dimensions (2i, 2i + 1) to draw, one panel each.
-        base: the encoding's base (omega_i = base^(-2i/D)).
-        max_offset: the largest k of the slider (default T // 2); p runs to T - 1 - k_max.
-    """
-    import altair as alt
-
-    P = _encoding(encoding)
-    length, width = P.shape
-    if not pairs or any(not 0 <= i < width // 2 for i in pairs):
-        raise ValueError(f"pairs must be a non-empty list of pairs in [0, {width // 2}), "
-                         f"got {list(pairs)}")
-    k_max = length // 2 if max_offset is None else max_offset
-    if not 1 <= k_max < length:
-        raise ValueError(f"max_offset must lie in [1, {length}), got {k_max}")
-    rows = [{"pair": i, "pos": p, "cos": c, "sin": s} for i in pairs
-            for p, (s, c) in enumerate(zip(_rounded(P[:, 2 * i], 4),
-                                           _rounded(P[:, 2 * i + 1], 4), strict=True))]
-    offset = alt.param(name="offset", value=min(5, k_max), bind=alt.binding_range(
-        min=0, max=k_max, step=1, name="offset k:"))
-    position = alt.param(name="position", value=min(20, length - 1 - k_max),
-                         bind=alt.binding_range(min=0, max=length - 1 - k_max, step=1,
-                                                name="position p:"))
-    header = alt.Header(title=None, labelFontSize=12, labelFontWeight="bold",
-                        labelExpr=f"'pair ' + datum.value + ': ω = ' + "
-                                  f"format(pow({base}, -2 * datum.value / {width}), '.3g')")
-    chart = (alt.layer(*_rotation_layers(length, width, base), data=alt.InlineData(values=rows))
-             .facet(facet=alt.Facet("pair:O", header=header), columns=3)
-             .add_params(offset, position)
-             .properties(description="Rotations of sinusoidal encoding pairs"))
-    return interactive_chart(
-        chart, "rotation-explorer",
-        description=f"For the pairs of dimensions {', '.join(map(str, pairs))} of the "
-                    f"sinusoidal encoding (D = {width}), one circle each: the grey point is "
-                    f"the pair of position p, the orange point the same pair rotated by the "
-                    f"angle ω k (printed in degrees), the black ring the pair of position "
-                    f"p + k. Sliders set p and k; the orange point always lands in the ring.")
-
-
-def _evaluation_lines(evals: list[dict[str, Any]], x: Any) -> Any:
-    """The train and validation evaluations, one coloured line each."""
-    import altair as alt
-
-    return (alt.Chart(alt.InlineData(values=evals))
-            .mark_line(point=True, strokeWidth=2)
-            .encode(x=x, y="eval_loss:Q",
-                    color=alt.Color("split:N", title="evaluation",
-                                    scale=alt.Scale(range=["#1b9e77", "#d95f02"])),
-                    tooltip=[alt.Tooltip("step:Q"), alt.Tooltip("split:N"),
-                             alt.Tooltip("eval_loss:Q", format=".3f", title="loss")]))
-
-
-def _step_readout(base: Any, hover: Any) -> Any:
-    """The line above the charts: the hovered step, its learning rate and batch loss."""
-    return (base.transform_filter(hover)
-            .transform_calculate(text="'step ' + datum.step + ': learning rate ' + "
-                                      "format(datum.lr, '.3e') + ', batch loss ' + "
-                                      "format(datum.loss, '.3f')")
-            .mark_text(align="left", x=0, y=10, fontSize=13).encode(text="text:N")
-            .properties(name="readout", height=20))
-
-
-def training_explorer(history: Mapping[str, Sequence[float]], *,
-                      every: int = 5) -> InteractiveChart:
-    """The learning rate and the losses of a run (`train.History` as a dict); hover to read
-    the step, its learning rate and its batch's loss, and the evaluations.
-
-    Args:
-        history: a run's history: step, loss, lr, eval_step, train_loss, val_loss.
-        every: keep one step in ``every`` (the evaluations are all kept).
-    """
-    import altair as alt
-
-    _positive(every, "every")
-    _check_history(history, 1)
-    if "lr" not in history or len(history["lr"]) != len(history["step"]):
-        raise ValueError("history lacks a learning rate per step (lr); pass a History's fields")
-    steps = [{"step": s, "lr": float(f"{lr:.6g}"), "loss": round(loss, 4)}
-             for s, lr, loss in list(zip(history["step"], history["lr"], history["loss"],
-                                         strict=True))[::every]]
-    evals = [{"step": s, "split": split, "eval_loss": round(v, 4)}
-             for split in ("train", "val")
-             for s, v in zip(history["eval_step"], history[f"{split}_loss"], strict=True)]
-    hover = alt.selection_point(name="hover", on="pointerover", nearest=True,
-                                fields=["step"], empty=False, clear="pointerout")
-    # A fixed domain: the hover rule's empty data would otherwise widen it to infinity.
-    x = alt.X("step:Q", title="optimiser step",
-              scale=alt.Scale(domain=[0, history["step"][-1] + 1], nice=False))
-    base = alt.Chart(alt.NamedData(name="steps")).properties(width=620)
-    lr = base.mark_line(color="#3b6fb6").encode(
-        x=x, y=alt.Y("lr:Q", title="learning rate", axis=alt.Axis(format=".1e")))
-    loss = base.mark_line(color="#c8c8c8", strokeWidth=1).encode(
-        x=x, y=alt.Y("loss:Q", title="loss (nats)", scale=alt.Scale(zero=False)))
-    tooltip = [alt.Tooltip("step:Q"), alt.Tooltip("lr:Q", format=".3e", title="learning rate"),
-               alt.Tooltip("loss:Q", format=".3f", title="batch loss")]
-    catcher = base.mark_point(opacity=0, size=30).encode(x=x, y="loss:Q", tooltip=tooltip)
-    # Decorative (aria=False): empty until a step is hovered, it would be an unnamed graphic.
-    rule = base.mark_rule(color="#e4572e", aria=False).encode(x=x).transform_filter(hover)
-    evaluations = _evaluation_lines(evals, x)
-    chart = (alt.vconcat(_step_readout(base, hover),
-                         alt.layer(lr, rule).properties(height=120),
-                         alt.layer(loss, evaluations, rule,
-                                   catcher.add_params(hover).properties(name="steps"))
-                         .properties(height=220))
-             .resolve_scale(color="independent")
-             .properties(datasets={"steps": steps},
-                         description="Learning rate and losses of a training run"))
-    return interactive_chart(
-        chart, "training-explorer",
-        description=f"Two line charts over the {history['step'][-1] + 1} optimiser steps of "
-                    f"the run: the learning rate (warm-up, then cosine decay) and the loss of "
-                    f"every {every}th batch, with the train and validation evaluations. "
-                    f"Hovering a step shows its learning rate and batch loss.")
