@@ -2,7 +2,7 @@
 
 A small random GPT of each layout is exported here (seconds); the book's three cached models
 are exported and checked by `make playground`, and run in the browser by
-tests/test_playground.py.
+tests/book/test_playground.py.
 """
 
 from __future__ import annotations
