@@ -145,7 +145,7 @@ pdf: book system-deps
 
 # The lint first (a lint failure fails at once), then every test: the package's (hypothesis
 # searching thoroughly), the chapters' outputs of the build just made compared with the
-# stored ones (tests/test_chapter_outputs.py; each chapter is executed once, by the build),
+# stored ones (tests/book/test_chapter_outputs.py; each chapter is executed once, by the build),
 # headless Chromium over the built site, and the PDF. pytest-xdist runs them on
 # TEST_JOBS processes (one per core here), each test file on one of them (--dist loadfile:
 # a file's pages are read once, not once in each process). Beside them, the PDF is printed

@@ -15,7 +15,7 @@
 3. A print style sheet (static/minigpt-print.css): the side bars and buttons
    stay off paper, code wraps instead of being cut, solutions print open.
 4. Accessibility fixes for what axe-core finds in the markup our tools write
-   (static/minigpt-a11y.css and fix_markup below; tests/test_site.py runs axe).
+   (static/minigpt-a11y.css and fix_markup below; tests/book/test_site.py runs axe).
 5. The interactive figures (`minigpt.charts.interactive_chart`): a page that shows one
    loads vega, vega-lite and vega-embed (copied from npm to _static/vega/ by the
    Makefile) and static/minigpt-charts.js, which draws them; other pages load none of it.

@@ -85,31 +85,28 @@ def test_fine_tuning_learns_a_separable_task() -> None:
 @pytest.mark.parametrize(
     ("make", "message"),
     [
-        (lambda: GPTClassifier(_model(), 1), "num_classes must be an int >= 2"),
-        (lambda: GPTClassifier(_model(), True), "num_classes must be an int >= 2"),
-        (lambda: GPTClassifier(torch.nn.Linear(2, 2), 2), "needs a minigpt.GPT"),
+        (lambda: GPTClassifier(_model(), 1), "num_classes must be >= 2, got 1"),
+        (lambda: GPTClassifier(_model(), 0), "num_classes must be >= 2, got 0"),
     ],
 )
 def test_bad_classifier_arguments(make: object, message: str) -> None:
-    with pytest.raises((ValueError, TypeError), match=re.escape(message)):
+    with pytest.raises(ValueError, match=re.escape(message)):
         make()  # type: ignore[operator]
 
 
 def test_bad_batches_are_refused() -> None:
     clf = GPTClassifier(_model(), 2)
     ids, lengths = pad_batch([[1, 2], [3]])
-    with pytest.raises(ValueError, match=r"lengths must lie in 1\.\.2"):
-        clf(ids, torch.tensor([3, 1]))
-    with pytest.raises(ValueError, match=r"lengths must lie in 1\.\.2"):
-        clf(ids, torch.tensor([0, 1]))
-    with pytest.raises(ValueError, match=r"need ids \(B, T\) and lengths \(B,\)"):
+    # the lengths are pad_batch's, checked by construction; a mismatched shape is a bug
+    with pytest.raises(AssertionError, match="one length per row"):
         clf(ids, torch.tensor([2]))
     # the ids themselves are checked where they enter the GPT
     with pytest.raises(ValueError, match=r"token id 16 is out of range"):
         clf(torch.tensor([[1, 16]]), torch.tensor([2]))
     with pytest.raises(ValueError, match="sequence length T=9 exceeds context_length=8"):
         clf(torch.zeros(1, 9, dtype=torch.long), torch.tensor([9]))
-    with pytest.raises(ValueError, match=r"labels must be \(2,\) class indices in 0\.\.1"):
+    # labels are checked by the cross-entropy itself
+    with pytest.raises(IndexError, match="Target 2 is out of bounds"):
         classification_loss(clf, ids, lengths, torch.tensor([0, 2]))
     with pytest.raises(ValueError, match="lm_weight must be >= 0"):
         classification_loss(clf, ids, lengths, torch.tensor([0, 1]), lm_weight=-1.0)

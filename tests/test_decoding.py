@@ -80,13 +80,6 @@ def test_temperature_limits_greedy_and_uniform() -> None:
     assert torch.allclose(hot, torch.full((3,), 1 / 3), atol=1e-3)
 
 
-@pytest.mark.parametrize("bad", [0.0, -1.0, 0, float("nan")])
-def test_apply_temperature_asserts_a_positive_temperature(bad: float) -> None:
-    # generate() checks its arguments where they enter; the filters only assert them
-    with pytest.raises(AssertionError, match="temperature must be > 0"):
-        apply_temperature(torch.zeros(3), bad)
-
-
 def test_top_k_keeps_the_k_largest_per_row() -> None:
     logits = torch.tensor([[0.5, 3.0, -1.0, 2.0], [4.0, 1.0, 2.0, 3.0]])
     before = logits.clone()
@@ -100,12 +93,6 @@ def test_top_k_keeps_the_k_largest_per_row() -> None:
 def test_top_k_keeps_ties_with_the_kth_value() -> None:
     out = top_k_filter(torch.tensor([1.0, 2.0, 2.0, 0.0]), 1)
     assert torch.isfinite(out).tolist() == [False, True, True, False]
-
-
-@pytest.mark.parametrize("bad", [0, -2, 5])
-def test_top_k_out_of_range(bad: int) -> None:
-    with pytest.raises(AssertionError, match=r"top_k must lie in \[1, V\], got"):
-        top_k_filter(torch.zeros(4), bad)
 
 
 def test_top_p_keeps_the_smallest_nucleus() -> None:
@@ -125,17 +112,6 @@ def test_top_p_rows_are_independent() -> None:
     logits = torch.log(torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.45, 0.45]]))
     kept = torch.isfinite(top_p_filter(logits, 0.6)).tolist()
     assert kept == [[True, False, False], [False, True, True]]
-
-
-@pytest.mark.parametrize("bad", [0.0, -0.1, 1.01, 2])
-def test_top_p_out_of_range(bad: float) -> None:
-    with pytest.raises(AssertionError, match=r"top_p must lie in \(0, 1\]"):
-        top_p_filter(torch.zeros(3), bad)
-
-
-def test_top_p_rejects_nan() -> None:
-    with pytest.raises(AssertionError, match=r"top_p must lie in \(0, 1\]"):
-        top_p_filter(torch.zeros(3), float("nan"))
 
 
 # ----- generate: results ---------------------------------------------------------------
@@ -259,15 +235,12 @@ def test_accepts_narrower_integer_dtypes(model: GPT) -> None:
     ("kwargs", "error", "message"),
     [
         ({"temperature": -0.5}, ValueError, "temperature must be >= 0"),
-        ({"temperature": float("nan")}, ValueError, "temperature must be finite"),
-        ({"temperature": "hot"}, TypeError, "temperature must be a real number"),
+        ({"temperature": float("nan")}, ValueError, "temperature must be >= 0"),
         ({"top_p": 0.0}, ValueError, r"top_p must lie in \(0, 1\]"),
         ({"top_p": 1.5}, ValueError, r"top_p must lie in \(0, 1\]"),
+        ({"top_p": float("nan")}, ValueError, r"top_p must lie in \(0, 1\]"),
         ({"top_k": 0}, ValueError, r"top_k must lie in \[1, V\] = \[1, 16\]"),
         ({"top_k": V + 1}, ValueError, r"top_k must lie in \[1, V\] = \[1, 16\]"),
-        ({"top_k": 2.5}, TypeError, "top_k must be an int"),
-        ({"greedy": 1}, TypeError, "greedy must be a bool"),
-        ({"generator": 0}, TypeError, "generator must be a torch.Generator"),
     ],
 )
 def test_bad_sampling_arguments(model: GPT, kwargs: dict[str, object], error: type,
@@ -285,8 +258,7 @@ def test_bad_sampling_arguments(model: GPT, kwargs: dict[str, object], error: ty
         (torch.tensor([1.0, 2.0]), TypeError, "integer token ids, got dtype torch.float32"),
         ([1.0, 2.0], TypeError, "integer token ids"),
         ([True, False], TypeError, "integer token ids"),
-        ([[1, 2], [3]], TypeError, "equal-length lists of ints"),
-        ("hello", TypeError, "tensor or a list of ints"),
+        ([[1, 2], [3]], ValueError, "expected sequence of length 2"),  # torch's own
         (torch.zeros(1, 1, 2, dtype=torch.long), ValueError, r"shape \(T,\) or \(B, T\)"),
         ([1, V], ValueError, rf"token id {V} in prompt_ids is out of range \[0, {V}\)"),
         (torch.tensor([[-1, 2]]), ValueError, r"token id -1 in prompt_ids is out of range"),
@@ -297,15 +269,9 @@ def test_bad_prompts(model: GPT, prompt: object, error: type, message: str) -> N
         generate(model, prompt, 3)  # type: ignore[arg-type]
 
 
-def test_model_must_be_a_gpt() -> None:
-    with pytest.raises(TypeError, match="model must be a GPT"):
-        generate(object(), [1], 3)  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize(("n", "error"), [(-1, ValueError), (2.0, TypeError), (True, TypeError)])
-def test_bad_max_new_tokens(model: GPT, n: object, error: type) -> None:
-    with pytest.raises(error, match="max_new_tokens must"):
-        generate(model, [1], n)  # type: ignore[arg-type]
+def test_bad_max_new_tokens(model: GPT) -> None:
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 0, got -1"):
+        generate(model, [1], -1)
 
 
 
@@ -347,17 +313,6 @@ def test_cache_reads_each_token_once_while_the_sequence_fits() -> None:
     spy.read.clear()
     generate(spy, [1, 2, 3], 7, greedy=True, use_cache=False)
     assert spy.read == [3, 4, 5, 6, 7, 8, 8]
-
-
-def test_use_cache_needs_a_model_that_can_keep_one() -> None:
-    stub = FixedLogits([0.0, 1.0])
-    with pytest.raises(TypeError, match="FixedLogits has no new_cache.*pass use_cache=False"):
-        generate(stub, [0], 2)
-
-
-def test_use_cache_must_be_a_bool(model: GPT) -> None:
-    with pytest.raises(TypeError, match="use_cache must be a bool, got int"):
-        generate(model, [1], 2, use_cache=1)  # type: ignore[arg-type]
 
 
 # ----- beam search ---------------------------------------------------------------------
@@ -469,12 +424,8 @@ def test_beam_search_keeps_inputs_and_mode(model: GPT) -> None:
     ("kwargs", "error", "message"),
     [
         ({"num_beams": 0}, ValueError, "num_beams must be >= 1, got 0"),
-        ({"num_beams": 2.0}, TypeError, "num_beams must be an int"),
         ({"num_beams": 2, "eos_id": V}, ValueError, rf"eos_id must lie in \[0, {V}\), got {V}"),
-        ({"num_beams": 2, "eos_id": "x"}, TypeError, "eos_id must be an int"),
-        ({"num_beams": 2, "length_penalty": float("inf")}, ValueError,
-         "length_penalty must be finite"),
-        ({"num_beams": 2, "use_cache": None}, TypeError, "use_cache must be a bool"),
+        ({"num_beams": 2, "eos_id": -1}, ValueError, rf"eos_id must lie in \[0, {V}\), got -1"),
     ],
 )
 def test_bad_beam_search_arguments(model: GPT, kwargs: dict[str, object], error: type,

@@ -65,8 +65,8 @@ def test_items_are_deterministic_and_hold_the_true_next_line() -> None:
     assert labels == {0, 1, 2, 3}
 
 
-@pytest.mark.parametrize("n, message", [(0, "n must be an int >= 1"),
-                                        (10**6, "asked for 1000000 items")])
+@pytest.mark.parametrize("n, message", [(0, r"n must lie in \[1, \d+\] .*got 0"),
+                                        (10**6, r"n must lie in \[1, \d+\] .*got 1000000")])
 def test_bad_item_counts(n: int, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         make_choices(play(), n)
@@ -82,8 +82,6 @@ def test_count_models_are_distributions() -> None:
         assert total + unseen == pytest.approx(1.0)
     with pytest.raises(ValueError, match="order must be 1"):
         CountModel(text, 3)
-    with pytest.raises(ValueError, match="non-empty text"):
-        CountModel("", 1)
 
 
 @given(st.text(alphabet="ab\n", min_size=2, max_size=40))
@@ -100,8 +98,6 @@ def test_accuracy_by_sum_and_per_character() -> None:
     scores = {"a\n": -3.0, "bbbbbbb\n": -4.0, "c\n": -2.5, "d\n": -9.0}
     result = multiple_choice(lambda xs: [scores[e] for _, e in xs], items)
     assert result == {"summed": 0.0, "per_char": 1.0}
-    with pytest.raises(ValueError, match="at least one item"):
-        multiple_choice(lambda xs: [], [])
 
 
 def model() -> tuple[GPT, CharTokenizer]:

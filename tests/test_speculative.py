@@ -6,7 +6,6 @@ import itertools
 
 import pytest
 import torch
-from torch import nn
 
 from minigpt import GPT, GPTConfig, generate
 from minigpt.decoding import next_token_distribution
@@ -264,17 +263,13 @@ def test_nothing_is_mutated(models: tuple[GPT, GPT]) -> None:
 
 @pytest.mark.parametrize("kwargs, error, message", [
     ({"draft": tiny(2, vocab_size=5)}, ValueError, "the draft's vocabulary .5 tokens. differs"),
-    ({"draft": nn.Linear(2, 2)}, TypeError, "draft must be a minigpt GPT, got Linear"),
-    ({"target": "gpt"}, TypeError, "target must be a minigpt GPT, got str"),
     ({"k": 0}, ValueError, r"k \(proposals per round\) must be >= 1, got 0"),
-    ({"k": 2.0}, TypeError, "k must be an int"),
     ({"temperature": -1.0}, ValueError, "temperature must be >= 0"),
     ({"top_k": 9}, ValueError, r"top_k must lie in \[1, V\] = \[1, 4\]"),
     ({"top_p": 0.0}, ValueError, r"top_p must lie in \(0, 1\]"),
     ({"prompt_ids": [[1, 2], [2, 3]]}, ValueError, "takes one prompt of shape"),
     ({"prompt_ids": [7]}, ValueError, r"token id 7 in prompt_ids is out of range \[0, 4\)"),
     ({"max_new_tokens": -1}, ValueError, "max_new_tokens must be >= 0"),
-    ({"use_cache": 1}, TypeError, "use_cache must be a bool"),
 ])
 def test_errors(models: tuple[GPT, GPT], kwargs: dict[str, object], error: type[Exception],
                 message: str) -> None:

@@ -117,8 +117,8 @@ def test_bad_input_to_the_t_test_is_refused() -> None:
         paired_difference([1.0], [1.0])
     with pytest.raises(ValueError, match="same length >= 2"):
         paired_difference([1.0, 2.0], [1.0, 2.0, 3.0])
-    for dof in (0, 1.5, True):
-        with pytest.raises(ValueError, match="dof must be an int >= 1"):
-            student_t_cdf(1.0, dof)  # type: ignore[arg-type]
+    for dof in (0, -2):
+        with pytest.raises(ValueError, match="dof must be >= 1"):
+            student_t_cdf(1.0, dof)
     with pytest.raises(ValueError, match="nan"):
         student_t_cdf(math.nan, 3)

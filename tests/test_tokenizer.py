@@ -101,7 +101,7 @@ def test_char_special_tokens() -> None:
 
 
 def test_char_errors() -> None:
-    with pytest.raises(ValueError, match="non-empty text"):
+    with pytest.raises(ValueError, match="non-empty string"):
         CharTokenizer.from_text("")
     with pytest.raises(ValueError, match="distinct"):
         CharTokenizer("aba")
@@ -183,8 +183,6 @@ def test_bpe_training_errors() -> None:
         train_bpe("some text", 256)
     with pytest.raises(ValueError, match=r"at least 256 \(256 bytes \+ 0 special"):
         train_bpe("some text", 255, special_tokens=())
-    with pytest.raises(TypeError, match="vocab_size must be an int, got 300.0"):
-        train_bpe("some text", 300.0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="non-empty text"):
         train_bpe("", 300)
     # "abab" is one chunk: b"ab" then b"abab" and nothing is left to merge.
@@ -201,7 +199,6 @@ def test_bpe_constructor_errors() -> None:
 
 
 @pytest.mark.parametrize(("pat_str", "error", "message"), [
-    (5, TypeError, "pat_str must be a regular expression \\(a str\\), got int"),
     ("(ab", ValueError, "pat_str '\\(ab' is not a valid regular expression: missing \\)"),
     (r"\X|.", ValueError, "tiktoken's engine cannot compile: .*Invalid escape"),
     (r"a*", ValueError, "matches the empty string"),
@@ -303,8 +300,7 @@ def test_to_dict_round_trips(macbeth: str, bpe: BPETokenizer) -> None:
 @pytest.mark.parametrize(("change", "message"), [
     ({"pat_str": "(ab"}, "description is invalid: pat_str '\\(ab' is not a valid regular "
                          "expression: missing \\) at position 3"),
-    ({"pat_str": None}, "description is invalid: pat_str must be a regular expression "
-                        "\\(a str\\), got NoneType"),
+    ({"pat_str": None}, "description is invalid: first argument must be a string"),
     ({"pat_str": ""}, "pat_str '' matches the empty string"),
     ({"merges": [["zz", "00"]]}, "description is invalid: non-hexadecimal number"),
 ])

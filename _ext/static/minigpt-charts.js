@@ -4,7 +4,7 @@
  * Each figure is a div.minigpt-chart holding its Vega-Lite specification as JSON in a
  * script.minigpt-chart-spec. Once drawn, the div's data-chart-state is "drawn" ("error" if
  * vega-embed failed) and its view is div.minigptView; window.minigptCharts resolves when
- * every figure of the page is settled (tools/make_pdf.py and tests/test_site.py wait on it).
+ * every figure of the page is settled (tools/make_pdf.py and tests/book/test_site.py wait on it).
  */
 (function () {
   "use strict";

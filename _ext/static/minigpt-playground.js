@@ -13,14 +13,14 @@
  * operation: CharTokenizer.encode_ordinary / decode (minigpt.tokenizer), apply_temperature,
  * top_k_filter, top_p_filter and next_token_distribution (minigpt.decoding), and the
  * inverse-CDF draw (minigpt.decoding.inverse_cdf). window.minigptPlayground exposes them,
- * and the model's forward pass, to tests/test_playground.py.
+ * and the model's forward pass, to tests/book/test_playground.py.
  */
 (function () {
   "use strict";
 
   const STATIC = document.currentScript.src.replace(/[^/]*$/, "");  // .../_static/
   const MAX_NEW = 1000;
-  // Each model's first prompt: minigpt.export.PROMPTS (tests/test_playground.py checks).
+  // Each model's first prompt: minigpt.export.PROMPTS (tests/book/test_playground.py checks).
   const FIRST_PROMPTS = {"book": "ROMEO:\nBut soft, what light",
                          "modern": "ROMEO:\nBut soft, what light",
                          "sft-0": "upper: storm"};

@@ -4,7 +4,9 @@ Each step crops the sequence to the model's context, reads the logits of the
 last position (B, V), reshapes that distribution (temperature, top-k, top-p)
 and draws the next token, which is appended. The three filters are public
 functions of their own so that the sampling chapter can show and plot each
-one; none of them modifies its input.
+one; none of them modifies its input. The prompt and the settings are checked
+once, where they enter (`generate`, `beam_search`); the filters, which run at
+every token, take them as given.
 
 Both `generate` and `beam_search` keep a key-value cache by default: the
 model reads the prompt once and then only the one new token per step,
@@ -17,7 +19,6 @@ window at each step, exactly as the uncached loop does it.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, NamedTuple
@@ -31,21 +32,6 @@ from minigpt.model import GPT
 _INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
-def _check_real(name: str, value: object) -> float:
-    # bool is an int subclass; True as a temperature is a bug, not 1.0.
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    return float(value)
-
-
-def _check_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    return value
-
-
 def apply_temperature(logits: Tensor, temperature: float) -> Tensor:
     """Divide the logits by the temperature tau > 0: softmax(z / tau).
 
@@ -55,12 +41,11 @@ def apply_temperature(logits: Tensor, temperature: float) -> Tensor:
 
     Args:
         logits: (..., V).
-        temperature: tau, a finite number > 0.
+        temperature: tau > 0.
 
     Returns:
         A new tensor (..., V).
     """
-    assert temperature > 0.0, f"temperature must be > 0, got {temperature} (0 is greedy)"
     return logits / temperature
 
 
@@ -77,7 +62,6 @@ def top_k_filter(logits: Tensor, k: int) -> Tensor:
     Returns:
         A new tensor (..., V), -inf outside the top k.
     """
-    assert 1 <= k <= logits.shape[-1], f"top_k must lie in [1, V], got {k}"
     kth_largest = torch.topk(logits, k, dim=-1).values[..., -1:]  # (..., 1)
     return logits.masked_fill(logits < kth_largest, float("-inf"))
 
@@ -97,7 +81,6 @@ def top_p_filter(logits: Tensor, p: float) -> Tensor:
     Returns:
         A new tensor (..., V), -inf outside the nucleus.
     """
-    assert 0.0 < p <= 1.0, f"top_p must lie in (0, 1], got {p}"
     if p == 1.0:
         # Rounding in the cumulative sum could drop the least likely tokens.
         return logits.clone()
@@ -136,9 +119,8 @@ def inverse_cdf(probs: Tensor, u: float) -> int:
     (`generate` draws with `torch.multinomial`; the site's playground draws this way from
     its own seeded generator.)
     """
-    if probs.dim() != 1:
-        raise ValueError(f"probs must have shape (V,), got {tuple(probs.shape)}")
-    if not 0.0 <= _check_real("u", u) < 1.0:
+    assert probs.dim() == 1, f"probs must have shape (V,), got {tuple(probs.shape)}"
+    if not 0.0 <= u < 1.0:  # NaN fails too
         raise ValueError(f"u must lie in [0, 1), got {u}")
     cumulative = torch.cumsum(probs.double(), dim=0)
     above = torch.nonzero(cumulative > u)
@@ -161,41 +143,18 @@ def eval_mode(*models: nn.Module) -> Iterator[None]:
             model.train(mode)
 
 
-def _check_model(model: nn.Module, use_cache: object) -> Any:
-    config: Any = getattr(model, "config", None)
-    if not isinstance(model, nn.Module) or config is None:
-        raise TypeError(f"model must be a GPT (an nn.Module with a .config), got "
-                        f"{type(model).__name__}")
-    if not isinstance(use_cache, bool):
-        raise TypeError(f"use_cache must be a bool, got {type(use_cache).__name__}")
-    if use_cache and not callable(getattr(model, "new_cache", None)):
-        raise TypeError(f"{type(model).__name__} has no new_cache() method, so it cannot keep "
-                        "a key-value cache; pass use_cache=False")
-    return config
-
-
-def _check_count(name: str, value: object) -> int:
-    count = _check_int(name, value)
-    if count < 0:
-        raise ValueError(f"{name} must be >= 0, got {count}")
-    return count
-
-
-def _check_sampling(vocab_size: int, temperature: object, top_k: object, top_p: object,
-                    greedy: object, generator: object) -> float:
-    """Check the sampling settings once, where they enter; returns the temperature."""
-    tau = _check_real("temperature", temperature)
-    if tau < 0.0:
-        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {tau}")
-    if top_k is not None and not 1 <= _check_int("top_k", top_k) <= vocab_size:
+def _check_sampling(vocab_size: int, max_new_tokens: int, temperature: float,
+                    top_k: int | None, top_p: float | None) -> None:
+    """Check the length and the sampling settings once, where they enter (`generate`,
+    `minigpt.speculative.speculative_generate`); the filters take them as given."""
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if not temperature >= 0.0:  # NaN fails too
+        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
+    if top_k is not None and not 1 <= top_k <= vocab_size:
         raise ValueError(f"top_k must lie in [1, V] = [1, {vocab_size}], got {top_k}")
-    if top_p is not None and not 0.0 < _check_real("top_p", top_p) <= 1.0:
+    if top_p is not None and not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
-    if not isinstance(greedy, bool):
-        raise TypeError(f"greedy must be a bool, got {type(greedy).__name__}")
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
-    return tau
 
 
 def _next_logits(model: nn.Module, seq: Tensor, context_length: int,
@@ -217,30 +176,18 @@ def _next_logits(model: nn.Module, seq: Tensor, context_length: int,
 
 def _prompt_tensor(prompt_ids: Tensor | Sequence[int] | Sequence[Sequence[int]],
                    vocab_size: int) -> Tensor:
-    if isinstance(prompt_ids, Tensor):
-        ids = prompt_ids
-    elif isinstance(prompt_ids, Sequence) and not isinstance(prompt_ids, str | bytes):
-        if len(prompt_ids) == 0:
-            raise ValueError("prompt_ids is empty: give at least one token")
-        try:
-            ids = torch.tensor(prompt_ids)
-        except (TypeError, ValueError) as err:  # ragged rows, strings, ...
-            raise TypeError(
-                f"prompt_ids must be a list of ints or of equal-length lists of ints ({err})"
-            ) from None
-    else:
-        raise TypeError(
-            f"prompt_ids must be a tensor or a list of ints, got {type(prompt_ids).__name__}"
-        )
-    if ids.dtype not in _INTEGER_DTYPES:  # floats and bools are not token ids
+    """The prompt as a tensor (T,) or (B, T), checked where it enters: once per call, so
+    reading its ids on the host costs nothing per token."""
+    ids = prompt_ids if isinstance(prompt_ids, Tensor) else torch.tensor(prompt_ids)
+    if ids.numel() == 0:
+        raise ValueError(f"prompt_ids is empty (shape {tuple(ids.shape)}): give at least one token")
+    if ids.dtype not in _INTEGER_DTYPES:  # floats would be truncated to ids, bools are not ids
         raise TypeError(f"prompt_ids must hold integer token ids, got dtype {ids.dtype}")
     if ids.dim() not in (1, 2):
         raise ValueError(f"prompt_ids must have shape (T,) or (B, T), got {tuple(ids.shape)}")
-    if ids.numel() == 0:
-        raise ValueError(f"prompt_ids is empty (shape {tuple(ids.shape)}): give at least one token")
-    low, high = int(ids.min()), int(ids.max())
+    low, high = torch.aminmax(ids)
     if low < 0 or high >= vocab_size:
-        bad = low if low < 0 else high
+        bad = int(low) if low < 0 else int(high)
         raise ValueError(f"token id {bad} in prompt_ids is out of range [0, {vocab_size})")
     return ids
 
@@ -281,10 +228,9 @@ def generate(
         model's device. The prompt is not modified; the model is put in eval
         mode for the call and given back in the mode it was in.
     """
-    config = _check_model(model, use_cache)
+    config: Any = model.config
     ids = _prompt_tensor(prompt_ids, config.vocab_size)
-    _check_count("max_new_tokens", max_new_tokens)
-    tau = _check_sampling(config.vocab_size, temperature, top_k, top_p, greedy, generator)
+    _check_sampling(config.vocab_size, max_new_tokens, temperature, top_k, top_p)
     squeeze = ids.dim() == 1
     device = next(model.parameters()).device
     # A copy (copy=True) on the model's device: the caller's tensor is never written to.
@@ -295,9 +241,9 @@ def generate(
     with eval_mode(model):
         for _ in range(max_new_tokens):
             logits = _next_logits(model, seq, config.context_length, cache)  # (B, V)
-            probs = next_token_distribution(logits, temperature=tau, top_k=top_k,
+            probs = next_token_distribution(logits, temperature=temperature, top_k=top_k,
                                             top_p=top_p, greedy=greedy)
-            if greedy or tau == 0.0:  # one-hot: no need to draw
+            if greedy or temperature == 0.0:  # one-hot: no need to draw
                 next_id = probs.argmax(dim=-1, keepdim=True)  # (B, 1)
             else:
                 next_id = torch.multinomial(probs, num_samples=1, generator=generator)
@@ -344,14 +290,13 @@ def beam_search(model: nn.Module, prompt_ids: Tensor | Sequence[int], max_new_to
         model: a GPT.
         prompt_ids: one prompt, (T,) ids or a list of ints.
         max_new_tokens, num_beams: N >= 0 new tokens, K >= 1 beams.
-        length_penalty: alpha, a finite number.
+        length_penalty: alpha.
         eos_id: a token id that ends a hypothesis, or None.
         use_cache: keep one key-value cache for all beams, reordered as chosen.
 
     Returns a `BeamSearchResult`: min(K, distinct hypotheses) rows, best first.
     """
-    config, ids, alpha = _check_beam_args(model, prompt_ids, max_new_tokens, num_beams,
-                                          length_penalty, eos_id, use_cache)
+    config, ids = _check_beam_args(model, prompt_ids, max_new_tokens, num_beams, eos_id)
     device = next(model.parameters()).device
     seq = ids.to(device=device, dtype=torch.long, copy=True).unsqueeze(0)  # (1, T): one beam
     log_probs = torch.zeros(1, device=device)  # (K,), and (K,) lengths and finished flags:
@@ -359,15 +304,19 @@ def beam_search(model: nn.Module, prompt_ids: Tensor | Sequence[int], max_new_to
     cache: KVCache | None = model.new_cache() if use_cache else None  # type: ignore[operator]
     with eval_mode(model):
         for _ in range(max_new_tokens):
-            if bool(done.all()):
+            # The one read of the device a step, and none without eos_id: how many beams
+            # are finished decides whether to go on and how many candidates there are.
+            finished = int(done.sum()) if eos_id is not None else 0
+            if finished == len(seq):
                 break
             step = torch.log_softmax(_next_logits(model, seq, config.context_length, cache), -1)
-            if eos_id is not None and bool(done.any()):
+            if finished:
                 # A finished beam can only repeat eos, at no cost: its score stays as it is.
                 step[done] = float("-inf")
                 step[done, eos_id] = 0.0
             candidates = (log_probs[:, None] + step).flatten()  # (K * V,)
-            width = min(num_beams, int(torch.isfinite(candidates).sum()))
+            # V candidates of each unfinished beam, one (eos) of each finished one
+            width = min(num_beams, (len(seq) - finished) * config.vocab_size + finished)
             best = torch.topk(candidates, width)  # sorted, best first
             beam = best.indices // config.vocab_size  # (K,): which prefix each extends
             token = best.indices % config.vocab_size  # (K,): by which token
@@ -380,23 +329,24 @@ def beam_search(model: nn.Module, prompt_ids: Tensor | Sequence[int], max_new_to
     missing = ids.shape[0] + max_new_tokens - seq.shape[1]
     if missing > 0:  # every beam finished early: pad with eos
         seq = torch.cat([seq, seq.new_full((seq.shape[0], missing), int(eos_id or 0))], dim=1)
-    scores = log_probs / lengths.clamp(min=1).float() ** alpha
+    scores = log_probs / lengths.clamp(min=1).float() ** length_penalty
     order = torch.argsort(scores, descending=True, stable=True)
     return BeamSearchResult(seq[order], scores[order], log_probs[order], lengths[order])
 
 
-def _check_beam_args(model: nn.Module, prompt_ids: object, max_new_tokens: object,
-                     num_beams: object, length_penalty: object, eos_id: object,
-                     use_cache: object) -> tuple[Any, Tensor, float]:
-    """Check beam_search's arguments where they enter; returns (config, ids, alpha)."""
-    config = _check_model(model, use_cache)
-    ids = _prompt_tensor(prompt_ids, config.vocab_size)  # type: ignore[arg-type]
+def _check_beam_args(model: nn.Module, prompt_ids: Tensor | Sequence[int],
+                     max_new_tokens: int, num_beams: int, eos_id: int | None,
+                     ) -> tuple[Any, Tensor]:
+    """Check beam_search's arguments where they enter; returns (config, ids)."""
+    config: Any = model.config
+    ids = _prompt_tensor(prompt_ids, config.vocab_size)
     if ids.dim() != 1:
         raise ValueError(f"beam_search takes one prompt of shape (T,), got {tuple(ids.shape)}; "
                          "search each prompt of a batch on its own")
-    _check_count("max_new_tokens", max_new_tokens)
-    if _check_int("num_beams", num_beams) < 1:
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if num_beams < 1:
         raise ValueError(f"num_beams must be >= 1, got {num_beams}")
-    if eos_id is not None and not 0 <= _check_int("eos_id", eos_id) < config.vocab_size:
+    if eos_id is not None and not 0 <= eos_id < config.vocab_size:
         raise ValueError(f"eos_id must lie in [0, {config.vocab_size}), got {eos_id}")
-    return config, ids, _check_real("length_penalty", length_penalty)
+    return config, ids

@@ -70,14 +70,13 @@ def make_choices(text: str, n: int, *, seed: int = 0, max_chars: int = 40,
     context fit the book model's window of 64; the true ending's place is drawn with
     ``seed``, as are the items.
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be an int >= 1, got {n!r}")
     halves = [(before + "\n" + head, tail) for lines in speech_lines(text)
               for before, line in zip(lines, lines[1:], strict=False)
               for head, tail in [_cut(line)] if 0 < len(tail) <= max_chars]
-    if len(halves) < n:
-        raise ValueError(f"the text has {len(halves)} lines that cut into a context and an "
-                         f"ending of at most {max_chars} characters; asked for {n} items")
+    if not 1 <= n <= len(halves):
+        raise ValueError(f"n must lie in [1, {len(halves)}] (the lines of the text that cut "
+                         f"into a context and an ending of at most {max_chars} characters), "
+                         f"got {n}")
     by_length: dict[int, list[str]] = {}
     for tail in sorted({tail for _, tail in halves}):
         by_length.setdefault(len(tail), []).append(tail)
@@ -149,8 +148,6 @@ class CountModel:
     def __init__(self, text: str, order: int) -> None:
         if order not in (1, 2):
             raise ValueError(f"order must be 1 (unigram) or 2 (bigram), got {order!r}")
-        if not text:
-            raise ValueError("a count model needs a non-empty text")
         self.order = order
         self.vocab = len(set(text)) + 1  # + 1: every unseen character, as one
         self.counts = Counter(text[max(0, i - order + 1):i + 1] for i in range(len(text)))
@@ -175,8 +172,6 @@ class CountModel:
 def multiple_choice(score: Scorer, items: Sequence[Choice]) -> dict[str, float]:
     """Accuracy when the highest summed log-likelihood picks the ending (``"summed"``) and
     when the highest log-likelihood per character does (``"per_char"``)."""
-    if not items:
-        raise ValueError("multiple_choice needs at least one item")
     flat = score([(c.context, e) for c in items for e in c.endings])
     right = {"summed": 0, "per_char": 0}
     for k, choice in enumerate(items):
@@ -231,8 +226,6 @@ def benchmark_table(models: Mapping[str, tuple[GPT, Tokenizer]], text: str, *,
 def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """The rows as a plain-text table: fractions and bits to three decimals, "-" for
     None."""
-    if not rows:
-        raise ValueError("format_table needs at least one row")
     columns = list(rows[0])
     cells = [[c for c in columns]] + [
         [("-" if r[c] is None else f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]))

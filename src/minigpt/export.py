@@ -73,9 +73,9 @@ def export_onnx(gpt: GPT, path: Path, *, example_length: int = 8) -> Path:
     The example input has ``example_length`` >= 2 positions: an example of length 1 (or 0)
     would let the exporter fix T to it, silently.
     """
-    if not 2 <= example_length <= gpt.config.context_length:
-        raise ValueError(f"example_length must lie in [2, {gpt.config.context_length}] (a "
-                         f"length of 1 would make T static), got {example_length}")
+    assert 2 <= example_length <= gpt.config.context_length, (
+        f"example_length must lie in [2, {gpt.config.context_length}] (a length of 1 would "
+        f"make T static), got {example_length}")
     length = torch.export.Dim("T", min=1, max=gpt.config.context_length)
     example = torch.zeros(1, example_length, dtype=torch.long)
     path.parent.mkdir(parents=True, exist_ok=True)

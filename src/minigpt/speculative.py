@@ -31,8 +31,6 @@ import torch
 from torch import Tensor
 
 from minigpt.decoding import (
-    _check_count,
-    _check_int,
     _check_sampling,
     _next_logits,
     _prompt_tensor,
@@ -117,9 +115,8 @@ def speculative_generate(target: GPT, draft: GPT, prompt_ids: Tensor | Sequence[
 
     Returns a `SpeculativeResult`. The prompt and both models are left as they were.
     """
-    tau, ids = _check_args(target, draft, prompt_ids, max_new_tokens, k, temperature, top_k,
-                           top_p, greedy, generator, use_cache)
-    shape = partial(next_token_distribution, temperature=tau, top_k=top_k, top_p=top_p,
+    ids = _check_args(target, draft, prompt_ids, max_new_tokens, k, temperature, top_k, top_p)
+    shape = partial(next_token_distribution, temperature=temperature, top_k=top_k, top_p=top_p,
                     greedy=greedy)  # the same reshaping for p and q
     device = next(target.parameters()).device
     seq = ids.to(device=device, dtype=torch.long, copy=True).unsqueeze(0)  # (1, n)
@@ -170,30 +167,21 @@ def _accepted(ps: Tensor, qs: list[Tensor], proposals: Tensor,
     return len(qs), int(torch.multinomial(ps[len(qs)], 1, generator=generator))
 
 
-def _check_args(target: object, draft: object, prompt_ids: object, max_new_tokens: object,
-                k: object, temperature: object, top_k: object, top_p: object, greedy: object,
-                generator: object, use_cache: object) -> tuple[float, Tensor]:
-    """Check the arguments where they enter; returns the temperature and the prompt."""
-    for name, model in (("target", target), ("draft", draft)):
-        if not isinstance(model, GPT):
-            raise TypeError(f"{name} must be a minigpt GPT, got {type(model).__name__}")
-    assert isinstance(target, GPT) and isinstance(draft, GPT)
+def _check_args(target: GPT, draft: GPT, prompt_ids: Tensor | Sequence[int],
+                max_new_tokens: int, k: int, temperature: float, top_k: int | None,
+                top_p: float | None) -> Tensor:
+    """Check the arguments where they enter; returns the prompt (T,)."""
     if target.config.vocab_size != draft.config.vocab_size:
         raise ValueError(f"the draft's vocabulary ({draft.config.vocab_size} tokens) differs "
                          f"from the target's ({target.config.vocab_size}); both models must "
                          "share one tokenizer")
     if next(target.parameters()).device != next(draft.parameters()).device:
         raise ValueError("the draft and the target must be on the same device")
-    if not isinstance(use_cache, bool):
-        raise TypeError(f"use_cache must be a bool, got {type(use_cache).__name__}")
-    ids = _prompt_tensor(prompt_ids, target.config.vocab_size)  # type: ignore[arg-type]
+    ids = _prompt_tensor(prompt_ids, target.config.vocab_size)
     if ids.dim() != 1:
         raise ValueError(f"speculative_generate takes one prompt of shape (T,), got "
                          f"{tuple(ids.shape)}")
-    _check_count("max_new_tokens", max_new_tokens)
-    k = _check_int("k", k)
     if k < 1:
         raise ValueError(f"k (proposals per round) must be >= 1, got {k}")
-    tau = _check_sampling(target.config.vocab_size, temperature, top_k, top_p, greedy,
-                          generator)
-    return tau, ids
+    _check_sampling(target.config.vocab_size, max_new_tokens, temperature, top_k, top_p)
+    return ids

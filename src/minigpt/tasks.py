@@ -137,7 +137,7 @@ def make_tasks(text: str, n_train: int, n_test: int, *, seed: int = 0,
     if unknown or not families:
         raise ValueError(f"unknown task families {unknown}; choose from {sorted(FAMILIES)}")
     for name, n in (("n_train", n_train), ("n_test", n_test)):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        if n < 1:
             raise ValueError(f"{name} must be an int >= 1, got {n!r}")
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must lie strictly between 0 and 1, got {test_fraction}")

@@ -19,7 +19,7 @@ import pytest
 import yaml
 from helpers import load_baseline_tool
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # The book to check; another folder with the same layout only for trying the tests on
 # a scratch copy of the book (as in test_site.py).
 BOOK_ROOT = Path(os.environ.get("MINIGPT_BOOK_ROOT", ROOT)).resolve()

@@ -1,7 +1,7 @@
 """The playground: the book's models run in the reader's browser, offline, and agree with
 PyTorch.
 
-Headless Chromium (as in tests/test_site.py) opens the built site served under a sub-path,
+Headless Chromium (as in tests/book/test_site.py) opens the built site served under a sub-path,
 with every host but the local one unresolvable, and drives the page's own code
 (window.minigptPlayground, _ext/static/minigpt-playground.js) and its form:
 
@@ -46,7 +46,7 @@ from minigpt.export import EXPORTED, PROMPTS, held_out_contexts, prompt_ids
 
 pytestmark = [pytest.mark.book, pytest.mark.browser, pytest.mark.usefixtures("one_thread")]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BOOK_ROOT = Path(os.environ.get("MINIGPT_BOOK_ROOT", ROOT)).resolve()
 SITE = BOOK_ROOT / "_build" / "html"
 CHROMIUM = Path("/usr/bin/chromium")
