@@ -221,6 +221,7 @@ def test_a_device_that_fails_is_not_blamed_on_the_checkpoint(
 
     monkeypatch.setattr(torch, "load", load)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)  # cuda:3 passes the flag's check
     monkeypatch.setattr(GPT, "to", to)
     with pytest.raises(ValueError, match="cannot put the model on cuda:3: CUDA error: invalid "
                                          "device ordinal$") as caught:
@@ -304,7 +305,7 @@ def test_resume_refuses_new_settings(trained: Path, capsys: pytest.CaptureFixtur
         (["--top-p", "0"], 2, ["--top-p: Input should be greater than 0"]),
         (["--max-new-tokens", "-3"], 2, ["--max-new-tokens: Input should be greater than or"]),
         (["--num-samples", "0"], 2, ["--num-samples: Input should be greater than or equal"]),
-        (["--device", "abc"], 2, ["--device: 'abc' is not a torch device"]),
+        (["--device", "abc"], 2, ["--device: 'abc' is not a torch device; use cpu, cuda"]),
         (["--beams", "0"], 2, ["--beams: Input should be greater than or equal to 1"]),
         (["--beams", "2", "--top-k", "3", "--temperature", "1"], 2,
          ["--beams searches", "does not sample; drop --temperature, --top-k"]),
