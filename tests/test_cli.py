@@ -10,6 +10,7 @@ import io
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -300,6 +301,44 @@ def test_train_error_paths_on_files(tmp_path: Path, text_file: Path,
 def test_resume_refuses_new_settings(trained: Path, capsys: pytest.CaptureFixture[str]) -> None:
     _fails(["train", "--out", str(trained), "--resume", "--lr", "0.1"], capsys, 1,
            "drop --lr (only --max-steps and --device may change)")
+
+
+@pytest.mark.parametrize(("cuda", "flags", "needle"), [
+    (True, ["--backend", "nccl"], None),  # the checkpoint's device is cuda: nccl fits it
+    (True, [], None),  # and is the default there
+    (True, ["--backend", "gloo"], None),
+    (True, ["--device", "cpu", "--backend", "nccl"],
+     "the nccl backend needs CUDA GPUs, and this run is on the cpu"),
+    (True, ["--device", "cpu"], None),  # gloo, the CPU's default
+    (False, ["--backend", "nccl"], "was trained on 'cuda', which this machine lacks; continue "
+                                   "it here with device cpu (--device cpu)"),
+    (False, ["--device", "cpu", "--backend", "gloo"], None),
+])
+def test_resume_checks_the_backend_against_the_checkpoints_device(
+        cuda: bool, flags: list[str], needle: str | None, trained: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A run of 2 processes saved on cuda, resumed with --nproc-per-node 2: the backend is
+    checked against the device the resumed run will use (the checkpoint's unless --device
+    is given), before torchrun starts anything. The GPUs (and NCCL) are pretended: the
+    launcher stops where torchrun would start the processes."""
+    import torch.distributed.run
+
+    shutil.copytree(trained, tmp_path, dirs_exist_ok=True)
+    ckpt = load_checkpoint(tmp_path)
+    ckpt["train_config"]["device"], ckpt["world_size"] = "cuda", 2
+    save_checkpoint(tmp_path / "checkpoint.pt", ckpt)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: cuda)
+    started: list[list[str]] = []
+    monkeypatch.setattr(torch.distributed.run, "run", lambda args: started.append(
+        args.training_script_args))
+    argv = ["train", "--out", str(tmp_path), "--resume", "--nproc-per-node", "2", *flags]
+    if needle is None:
+        assert main(argv) == 0
+        assert started == [["train", "--out", str(tmp_path), "--resume", *flags]]
+    else:
+        _fails(argv, capsys, 1, needle)
+        assert started == []
 
 
 @pytest.mark.parametrize(

@@ -310,8 +310,6 @@ def train_command(given: dict[str, Any], argv: list[str]) -> int:
         torch.set_num_threads(run.threads)
     if run.out.exists() and not run.out.is_dir():
         raise ValueError(f"--out {run.out} exists and is not a directory")
-    if run.nproc_per_node is not None and "RANK" not in os.environ:
-        return launch(run, given, argv)
     shape: GPTConfig | None = None  # a new run's: made with its tokenizer, from the text
     tokenizer: Tokenizer | None = None
     if run.resume:
@@ -326,6 +324,8 @@ def train_command(given: dict[str, Any], argv: list[str]) -> int:
                              "batch size sets the accumulation steps")
         make = TrainConfig.modern if run.recipe == "modern" else TrainConfig
         config = make(**_fields(given, TrainConfig))
+    if run.nproc_per_node is not None and "RANK" not in os.environ:
+        return launch(run, config, argv)
     text, source = None, None
     if shape is None:
         shape, tokenizer, text, source = _new_model(run, given)
@@ -364,9 +364,10 @@ def _new_model(run: TrainFlags, given: dict[str, Any],
     return make(tokenizer.vocab_size, **_fields(given, GPTConfig)), tokenizer, text, source
 
 
-def launch(run: TrainFlags, given: dict[str, Any], argv: Sequence[str]) -> int:
+def launch(run: TrainFlags, config: TrainConfig, argv: Sequence[str]) -> int:
     """Start --nproc-per-node copies of this command with torchrun, after refusing what
-    cannot work: a backend the device cannot use, a resumed run's other number of
+    cannot work: a backend the run's device (``config.device``: a resumed run's is the
+    checkpoint's unless --device is given) cannot use, a resumed run's other number of
     processes, a global batch that does not split, a port in use."""
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -375,13 +376,12 @@ def launch(run: TrainFlags, given: dict[str, Any], argv: Sequence[str]) -> int:
 
     n = run.nproc_per_node
     assert n is not None, "launch starts --nproc-per-node processes"
-    parallel.choose_backend(torch.device(given.get("device", "cpu")), run.backend)
+    parallel.choose_backend(torch.device(config.device), run.backend)
     if run.resume and (saved := load_checkpoint(run.out)["world_size"]) != n:
         raise ValueError(f"the run in {run.out} was trained by {saved} process(es); "
                          f"resume it with --nproc-per-node {saved}")
     if not run.resume:  # a global batch that does not split, before anything starts
-        make = TrainConfig.modern if run.recipe == "modern" else TrainConfig
-        with_global_batch(make(**_fields(given, TrainConfig)), run.global_batch_size, n)
+        with_global_batch(config, run.global_batch_size, n)
     where = ["--standalone"]  # torchrun picks a free port
     if run.master_port is not None:
         parallel.check_port(run.master_port)
