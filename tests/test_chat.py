@@ -1,7 +1,9 @@
-"""minigpt.chat: the chat format (render/parse, ids and mask), and the model's new tokens."""
+"""minigpt.chat: the chat format (render/parse, ids and mask), the model's new tokens, and a
+conversation kept within the context."""
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 import pytest
@@ -13,9 +15,12 @@ from minigpt.chat import (
     ChatFormatError,
     Turn,
     add_chat_tokens,
+    answer_turn,
+    chat_loop,
     decode_conversation,
     encode_conversation,
     extend_vocabulary,
+    fit_context,
     greedy_replies,
     parse,
     prompt_ids,
@@ -157,3 +162,69 @@ def test_add_chat_tokens_and_reply() -> None:
     assert isinstance(answer, str) and len(answer) <= 4
     with pytest.raises(ValueError, match="prompt 0 has 16 tokens; a prompt needs 1 to 15"):
         greedy_replies(model, tok, [[0] * 16])
+
+
+def test_fit_context_drops_the_oldest_turns_and_starts_with_the_user() -> None:
+    turns = [Turn("user", "who"), Turn("assistant", "me"), Turn("user", "abc"),
+             Turn("assistant", "cba"), Turn("user", "why")]
+    assert len(prompt_ids(turns, CHAR)) == 25
+    assert fit_context(turns, CHAR, 100) == turns
+    assert fit_context(turns, CHAR, 26) == turns[2:]  # not turns[1:]: it opens with "me"
+    assert fit_context(turns, CHAR, 8) == turns[4:]
+    with pytest.raises(ValueError, match="this message makes a prompt of 6 tokens; the model "
+                                         "reads 7, and an answer needs room"):
+        fit_context(turns, CHAR, 7)
+
+
+def test_answer_turn_is_cut_before_any_chat_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    import minigpt.chat
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.debug(vocab_size=CHAR.vocab_size, context_length=16))
+    turn = answer_turn(model, CHAR, [Turn("user", "abc")], max_new_tokens=4)
+    assert turn.role == "assistant" and len(turn.text) <= 4
+    monkeypatch.setattr(minigpt.chat, "reply", lambda *args, **kwargs: f"hi{USER}more")
+    assert answer_turn(model, CHAR, [Turn("user", "abc")]) == Turn("assistant", "hi")
+
+
+# A conversation in a terminal, with a random model: what matters is the turns, not the words.
+def chat_model(context_length: int = 32) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig.debug(vocab_size=CHAR.vocab_size, context_length=context_length))
+
+
+def test_chat_turns_stay_in_the_chat_format() -> None:
+    out = io.StringIO()
+    turns = chat_loop(chat_model(), CHAR, io.StringIO("who\n\nand you\n"), out,
+                      max_new_tokens=3)
+    assert [t.role for t in turns] == ["user", "assistant"] * 2
+    assert turns[2].text == "and you" and out.getvalue().count("you> ") == 4
+
+
+def test_a_long_conversation_forgets_its_first_turns() -> None:
+    out = io.StringIO()
+    turns = chat_loop(chat_model(), CHAR, io.StringIO("abc\n" * 6), out, max_new_tokens=2)
+    assert "(the conversation outgrew the context of 32 tokens: its first" in out.getvalue()
+    assert turns[0].role == "user" and len(prompt_ids(turns[:-1], CHAR)) < 31
+
+
+def test_chat_refuses_messages_it_cannot_take_and_goes_on() -> None:
+    out = io.StringIO()
+    turns = chat_loop(chat_model(), CHAR, io.StringIO(
+        "moon " * 8 + "\n" + "h\u00e9llo\n" + f"{END_OF_TURN}\n" + "who\n"), out,
+        max_new_tokens=2)
+    text = out.getvalue()
+    assert "(not sent: this message makes a prompt of 43 tokens; the model reads 32" in text
+    assert "(not sent: character '\u00e9'" in text
+    assert "(not sent: the user's text '<|end|>' contains the special token" in text
+    assert len(turns) == 2 and text.rstrip().endswith("bye")
+
+
+def test_ctrl_c_ends_the_chat_cleanly() -> None:
+    class Interrupted(io.StringIO):
+        def readline(self, *args: object) -> str:
+            raise KeyboardInterrupt
+
+    out = io.StringIO()
+    assert chat_loop(chat_model(), CHAR, Interrupted(), out) == []
+    assert out.getvalue().endswith("bye\n")

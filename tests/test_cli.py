@@ -1,17 +1,25 @@
-"""`python -m minigpt train` and `sample` (and the parser of every command), driven through
-`minigpt.cli.main` on a tiny text."""
+"""`python -m minigpt COMMAND`, driven through `minigpt.cli.main`: `train` and `sample` on a
+tiny text, `sft`, `dpo`, `chat` and `eval` on tiny models trained for a few steps (help, a
+piped conversation, the context's limit), the flags made from the settings models, and the
+clear errors of each (a base model where a chat model is needed, an empty data set, a
+device this machine lacks, a backend the resumed run's device cannot use)."""
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
+from test_assistant import play
 
 from minigpt import GPT, GPTConfig
 from minigpt.checkpoint import load_checkpoint, save_checkpoint
@@ -19,6 +27,8 @@ from minigpt.cli import main
 from minigpt.config import TrainConfig
 from minigpt.decoding import beam_search
 from minigpt.sample import load_model
+from minigpt.tokenizer import CharTokenizer
+from minigpt.train import train
 
 TEXT = "".join(
     f"{who}:\nWhat say you, {whom}? The night is {mood} and the hour grows late.\n\n"
@@ -221,6 +231,7 @@ def test_a_device_that_fails_is_not_blamed_on_the_checkpoint(
 
     monkeypatch.setattr(torch, "load", load)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)  # cuda:3 passes the flag's check
     monkeypatch.setattr(GPT, "to", to)
     with pytest.raises(ValueError, match="cannot put the model on cuda:3: CUDA error: invalid "
                                          "device ordinal$") as caught:
@@ -256,7 +267,7 @@ def _fails(argv: list[str], capsys: pytest.CaptureFixture[str], code: int, *need
         (["--n-heads", "3"], 2, ["--d-model (=16) must be divisible by --n-heads (=3)"]),
         (["--dropout", "1.5"], 2, ["--dropout", "less than 1"]),
         (["--tokenizer", "words"], 2, ["invalid choice: 'words'"]),
-        (["--bpe-vocab-size", "300"], 1, ["--bpe-vocab-size applies only with --tokenizer bpe"]),
+        (["--bpe-vocab-size", "300"], 2, ["--bpe-vocab-size applies only with --tokenizer bpe"]),
         (["--max-steps", "1"], 2, ["--warmup-steps (=2) must not exceed --decay-steps (=1",
                                     "raise --max-steps"]),
         (["--min-lr", "1"], 2, ["--min-lr (=1.0) must not exceed --lr (=0.001)"]),
@@ -293,6 +304,44 @@ def test_resume_refuses_new_settings(trained: Path, capsys: pytest.CaptureFixtur
            "drop --lr (only --max-steps and --device may change)")
 
 
+@pytest.mark.parametrize(("cuda", "flags", "needle"), [
+    (True, ["--backend", "nccl"], None),  # the checkpoint's device is cuda: nccl fits it
+    (True, [], None),  # and is the default there
+    (True, ["--backend", "gloo"], None),
+    (True, ["--device", "cpu", "--backend", "nccl"],
+     "the nccl backend needs CUDA GPUs, and this run is on the cpu"),
+    (True, ["--device", "cpu"], None),  # gloo, the CPU's default
+    (False, ["--backend", "nccl"], "was trained on 'cuda', which this machine lacks; continue "
+                                   "it here with device cpu (--device cpu)"),
+    (False, ["--device", "cpu", "--backend", "gloo"], None),
+])
+def test_resume_checks_the_backend_against_the_checkpoints_device(
+        cuda: bool, flags: list[str], needle: str | None, trained: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A run of 2 processes saved on cuda, resumed with --nproc-per-node 2: the backend is
+    checked against the device the resumed run will use (the checkpoint's unless --device
+    is given), before torchrun starts anything. The GPUs (and NCCL) are pretended: the
+    launcher stops where torchrun would start the processes."""
+    import torch.distributed.run
+
+    shutil.copytree(trained, tmp_path, dirs_exist_ok=True)
+    ckpt = load_checkpoint(tmp_path)
+    ckpt["train_config"]["device"], ckpt["world_size"] = "cuda", 2
+    save_checkpoint(tmp_path / "checkpoint.pt", ckpt)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: cuda)
+    started: list[list[str]] = []
+    monkeypatch.setattr(torch.distributed.run, "run", lambda args: started.append(
+        args.training_script_args))
+    argv = ["train", "--out", str(tmp_path), "--resume", "--nproc-per-node", "2", *flags]
+    if needle is None:
+        assert main(argv) == 0
+        assert started == [["train", "--out", str(tmp_path), "--resume", *flags]]
+    else:
+        _fails(argv, capsys, 1, needle)
+        assert started == []
+
+
 @pytest.mark.parametrize(
     ("extra", "code", "needles"),
     [
@@ -304,7 +353,7 @@ def test_resume_refuses_new_settings(trained: Path, capsys: pytest.CaptureFixtur
         (["--top-p", "0"], 2, ["--top-p: Input should be greater than 0"]),
         (["--max-new-tokens", "-3"], 2, ["--max-new-tokens: Input should be greater than or"]),
         (["--num-samples", "0"], 2, ["--num-samples: Input should be greater than or equal"]),
-        (["--device", "abc"], 2, ["--device: 'abc' is not a torch device"]),
+        (["--device", "abc"], 2, ["--device: 'abc' is not a torch device; use cpu, cuda"]),
         (["--beams", "0"], 2, ["--beams: Input should be greater than or equal to 1"]),
         (["--beams", "2", "--top-k", "3", "--temperature", "1"], 2,
          ["--beams searches", "does not sample; drop --temperature, --top-k"]),
@@ -413,7 +462,8 @@ def test_usage_errors_of_the_command_itself(capsys: pytest.CaptureFixture[str]) 
     _fails(["tran"], capsys, 2, "invalid choice: 'tran'", "'train'")
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    assert all(name in out for name in ("train", "sample", "assets", "pretrained"))
+    assert all(name in out for name in ("train", "sample", "sft", "dpo", "chat", "eval",
+                                        "assets", "pretrained"))
 
 
 def test_python_dash_m_runs_the_command_line() -> None:
@@ -461,7 +511,7 @@ def test_flags_follow_the_model_fields() -> None:
 
     from pydantic import BaseModel, Field
 
-    from minigpt.flags import add_model_flags
+    from minigpt.cli import add_model_flags
 
     class Toy(BaseModel):
         """A toy.
@@ -476,18 +526,20 @@ def test_flags_follow_the_model_fields() -> None:
         n_kv_heads: int | None = Field(None, ge=1, description="key-value heads")
         scale: float = 1.0
         name_only: str = "x"
+        only: list[Literal["a", "b"]] | None = None
 
     parser = argparse.ArgumentParser(argument_default=argparse.SUPPRESS)
     add_model_flags(parser, Toy, exclusive=("scale", "name_only"))
     args = vars(parser.parse_args(["--norm", "rms", "--qk-norm", "--n-kv-heads", "2",
-                                   "--scale", "0.5"]))
-    assert args == {"norm": "rms", "qk_norm": True, "n_kv_heads": 2, "scale": 0.5}
+                                   "--scale", "0.5", "--only", "b", "--only", "a"]))
+    assert args == {"norm": "rms", "qk_norm": True, "n_kv_heads": 2, "scale": 0.5,
+                    "only": ["b", "a"]}
     assert vars(parser.parse_args(["--no-qk-norm"])) == {"qk_norm": False}
     help_ = " ".join(parser.format_help().split())
     assert "which norm, from the docstring (two lines of it). (default: 'layer')" in help_
     assert "key-value heads" in help_ and "name only (default: 'x')" in help_
     for bad in (["--norm", "batch"], ["--n-kv-heads", "two"], ["--scale", "1", "--name-only",
-                                                                "y"]):
+                                                                "y"], ["--only", "c"]):
         with pytest.raises(SystemExit):
             parser.parse_args(bad)
 
@@ -506,3 +558,176 @@ def test_the_modern_recipe_under_the_flags_given(tmp_path: Path, text_file: Path
     assert train["muon_lr"] == MODERN_TRAINING["muon_lr"] and train["batch_size"] == 2
     assert train["warmup_steps"] == 3  # the recipe's warm-up, cut to the 3-step run
     assert set(ckpt["optimizer"]) == {"muon", "adamw"}
+
+
+# ----- the assistant's commands: sft, dpo, chat, eval -----------------------------------
+
+TUNE = ["--steps", "2", "--n-train", "6", "--n-test", "2", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A text file, a base checkpoint, and sft and dpo runs made by the commands."""
+    root = tmp_path_factory.mktemp("runs")
+    text = root / "plays.txt"
+    text.write_text(play(), encoding="utf-8")
+    tok = CharTokenizer.from_text(play())
+    ids = np.asarray(tok.encode_ordinary(play()), dtype=np.uint16)
+    torch.manual_seed(0)
+    train(GPTConfig(vocab_size=tok.vocab_size, context_length=64, d_model=16, n_heads=2,
+                    n_layers=1), TrainConfig(max_steps=2, warmup_steps=1, batch_size=2),
+          ids, ids, tokenizer=tok, out_dir=root / "base", progress=False)
+    assert main(["sft", "--checkpoint", str(root / "base"), "--text", str(text),
+                 "--out", str(root / "sft"), *TUNE]) == 0
+    assert main(["dpo", "--checkpoint", str(root / "sft"), "--text", str(text),
+                 "--out", str(root / "dpo"), *TUNE]) == 0
+    return {"text": text, "base": root / "base", "sft": root / "sft", "dpo": root / "dpo"}
+
+
+@pytest.mark.parametrize("command", ["chat", "sft", "dpo", "eval"])
+def test_assistant_commands_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([command, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert f"usage: python -m minigpt {command}" in out
+    assert all(f in out for f in ("--checkpoint", "--model", "--device"))
+
+
+def test_sft_and_dpo_write_runs(runs: dict[str, Path]) -> None:
+    for name in ("sft", "dpo"):
+        assert (runs[name] / "checkpoint.pt").is_file()
+        assert json.loads((runs[name] / "metrics.json").read_text())["exact_match"]
+        assert load_checkpoint(runs[name])["train_config"]["device"] == "cpu"
+    model, tok, _ = load_model(runs["dpo"])
+    assert "<|user|>" in tok.special_tokens
+
+
+def test_chat_with_piped_input(runs: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
+                               capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(sys, "stdin", io.StringIO("upper: moon\n\nreverse: king\n"))
+    assert main(["chat", "--checkpoint", str(runs["sft"]), "--max-new-tokens", "4",
+                 "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("chatting with sft (context 64 tokens)")
+    assert out.count("you> ") == 4 and out.rstrip().endswith("bye")
+
+
+def test_eval_prints_the_table(runs: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["eval", "--checkpoint", str(runs["dpo"]), "--text", str(runs["text"]),
+                 "--items", "10", "--n-train", "4", "--n-test", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:4] == ["model", "mc_summed", "mc_per_char", "bpc"]
+    assert [line.split()[0] for line in lines[1:]] == ["chance", "unigram", "bigram", "dpo"]
+
+
+@pytest.mark.parametrize("argv, code, message", [
+    (["chat", "--checkpoint", "{base}"], 1, "base has no chat tokens (<|user|>, "
+                                            "<|assistant|>, <|end|> missing): it is a base model"),
+    (["dpo", "--checkpoint", "{base}", "--out", "{tmp}"], 1, "base has no chat tokens"),
+    (["sft", "--checkpoint", "{sft}", "--out", "{tmp}"], 1, "sft already has the chat tokens"),
+    (["sft", "--checkpoint", "{base}", "--out", "{tmp}", "--text", "{empty}"], 1,
+     "only 0 first_word tasks can be made from 0 lines"),
+    (["eval", "--checkpoint", "{tmp}"], 1, "no checkpoint at"),
+    (["sft", "--checkpoint", "{base}", "--out", "{tmp}", "--n-train", "0"], 2,
+     "--n-train: Input should be greater than or equal to 1"),
+    (["sft", "--checkpoint", "{base}", "--out", "{tmp}", "--steps", "0"], 2,
+     "--steps: Input should be greater than or equal to 1"),
+    (["dpo", "--checkpoint", "{sft}", "--out", "{tmp}", "--beta", "0"], 2,
+     "--beta: Input should be greater than 0"),
+    (["dpo", "--checkpoint", "{sft}", "--out", "{tmp}", "--beta", "inf"], 2,
+     "--beta: Input should be a finite number"),
+    (["chat", "--checkpoint", "{sft}", "--max-new-tokens", "0"], 2,
+     "--max-new-tokens: Input should be greater than or equal to 1"),
+    (["chat", "--checkpoint", "{sft}", "--model", "sft-0"], 2,
+     "argument --model: not allowed with argument --checkpoint"),
+    (["chat", "--model", "gpt5"], 2, "--model: invalid choice: 'gpt5' (choose from book, "),
+    (["dpo", "--checkpoint", "{sft}"], 2, "the following arguments are required: --out"),
+])
+def test_clear_errors(argv: list[str], code: int, message: str, runs: dict[str, Path],
+                      tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    empty = tmp_path / "empty.txt"
+    empty.write_text("A:\nno\n", encoding="utf-8")
+    names = {"base": runs["base"], "sft": runs["sft"], "tmp": tmp_path / "out", "empty": empty}
+    assert main([a.format(**names) for a in argv]) == code
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert code == 2 or f"minigpt {argv[0]}: error:" in err
+
+
+@pytest.mark.parametrize("command", ["chat", "sft", "dpo", "eval", "sample"])
+@pytest.mark.parametrize(("device", "message"), [
+    ("tpu9", "'tpu9' is not a torch device; use cpu, cuda or cuda:N"),
+    ("cuda", "'cuda': CUDA is not available on this machine; use cpu"),
+    ("cuda:2", "'cuda:2': CUDA is not available on this machine; use cpu"),
+    ("meta", "'meta': models run on cpu, cuda or cuda:N (or mps)"),
+])
+def test_every_model_command_checks_its_device(
+        command: str, device: str, message: str, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = ["--out", str(tmp_path)] * (command in ("sft", "dpo"))
+    _fails([command, "--checkpoint", str(tmp_path), *out, "--device", device], capsys, 2,
+           f"minigpt {command}: error: --device: {message}")
+    assert not (tmp_path / "checkpoint.pt").exists()
+
+
+def test_a_gpu_index_the_machine_lacks_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    _fails(["chat", "--checkpoint", str(tmp_path), "--device", "cuda:2"], capsys, 2,
+           "--device: 'cuda:2': this machine has 2 GPU(s), cuda:0 to cuda:1")
+
+
+@pytest.mark.parametrize("command", ["chat", "sft", "dpo", "eval"])
+def test_the_device_reaches_the_model_and_the_training(
+        command: str, runs: dict[str, Path], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """--device cuda:1 on a machine pretending to have two GPUs: the model is loaded there,
+    and sft and dpo train there (their run stops where training would start)."""
+    import minigpt.cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch, "set_float32_matmul_precision", lambda precision: None)
+    seen: list[object] = []
+    real_load = minigpt.cli.load_model
+
+    def load(path: Path, *, device: str) -> Any:
+        seen.append(device)
+        return real_load(path, device="cpu")
+
+    def trainer(*args: Any, **kwargs: Any) -> Any:
+        seen.extend([args[4].device, str(kwargs["ctx"].device)])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(minigpt.cli, "load_model", load)
+    monkeypatch.setattr(minigpt.cli, "finetune", trainer)
+    monkeypatch.setattr(minigpt.cli, "train_dpo", trainer)
+    monkeypatch.setattr(minigpt.cli, "format_table", lambda rows: seen.append("table") or "")
+    monkeypatch.setattr(minigpt.cli, "benchmark_table", lambda *args, **kwargs: [])
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    start = runs["base"] if command == "sft" else runs["sft"]
+    extra = {"sft": ["--out", str(tmp_path), *TUNE], "dpo": ["--out", str(tmp_path), *TUNE],
+             "eval": ["--text", str(runs["text"]), "--n-train", "4", "--n-test", "2"],
+             "chat": []}[command]
+    main([command, "--checkpoint", str(start), "--device", "cuda:1", *extra])
+    assert seen == {"sft": ["cuda:1"] * 3, "dpo": ["cuda:1"] * 3,
+                    "eval": ["cuda:1", "table"], "chat": ["cuda:1"]}[command]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["sft", "dpo"])
+def test_under_torchrun_two_processes_train_and_rank_zero_writes(
+        runs: dict[str, Path], tmp_path: Path, command: str) -> None:
+    start = runs["base"] if command == "sft" else runs["sft"]
+    out = tmp_path / command
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         "-m", "minigpt", command, "--checkpoint", str(start), "--text", str(runs["text"]),
+         "--out", str(out), *TUNE], capture_output=True, text=True, timeout=300,
+        env=os.environ | {"OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("wrote ") == 1  # rank 0 alone
+    assert load_checkpoint(out)["world_size"] == 2
+    assert json.loads((out / "metrics.json").read_text())["exact_match"]

@@ -223,7 +223,7 @@ def test_the_command_reports_errors(monkeypatch, capsys):
     assert "minigpt pretrained: error: Shakespeare's plays are not in" in err
     assert "Traceback" not in err
     assert main(["pretrained", "--only", "huge"]) == 2
-    assert "invalid choice: 'huge'" in capsys.readouterr().err
+    assert "--only: invalid choice: 'huge' (choose from " in capsys.readouterr().err
 
 
 def test_the_command_logs_evaluations_but_no_bar_when_stderr_is_not_a_terminal(

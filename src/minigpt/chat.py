@@ -11,14 +11,17 @@ turn::
 says (its texts and their end tokens: what supervised fine-tuning trains on). Anything that
 is not a conversation is refused with a `ChatFormatError` saying where and why.
 `add_chat_tokens` gives a pretrained model and its tokenizer the three new tokens, keeping
-every old weight, and `reply` lets the model answer.
+every old weight, and `reply` lets the model answer. `chat_loop` holds a conversation with
+it over a terminal's input and output (`python -m minigpt chat`): the model answers each
+message (`answer_turn`), and a conversation longer than the context keeps its latest turns
+(`fit_context`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TextIO
 
 import regex
 import torch
@@ -261,3 +264,67 @@ def greedy_replies(model: GPT, tokenizer: Tokenizer, prompts: Sequence[Sequence[
             cut = seq.index(stop) if stop in seq else len(seq)
             out[k] = tokenizer.decode(seq[:cut])
     return out
+
+
+# ----------------------------------------------------------------------- a conversation
+
+def fit_context(turns: Sequence[Turn], tokenizer: Tokenizer, context_length: int,
+                ) -> list[Turn]:
+    """``turns`` without their oldest turns, as few as needed for the prompt
+    (`prompt_ids`) to leave room for an answer in the context, and starting with a user's
+    turn; ValueError if the last message alone does not fit."""
+    turns = _check_turns(turns)
+    for start in range(len(turns)):
+        kept = turns[start:]
+        if kept[0].role == "user" and len(prompt_ids(kept, tokenizer)) < context_length - 1:
+            return kept
+    n = len(prompt_ids(turns[-1:], tokenizer))
+    raise ValueError(f"this message makes a prompt of {n} tokens; the model reads "
+                     f"{context_length}, and an answer needs room: write a shorter one")
+
+
+def answer_turn(model: GPT, tokenizer: Tokenizer, turns: Sequence[Turn], *,
+                max_new_tokens: int = 32) -> Turn:
+    """The assistant's next turn after ``turns``: `reply`'s answer, cut before any chat
+    token the model produced (a turn's text may not hold one)."""
+    answer = reply(model, tokenizer, turns, max_new_tokens=max_new_tokens)
+    cut = min((answer.index(t) for t in CHAT_TOKENS if t in answer), default=len(answer))
+    return Turn("assistant", answer[:cut])
+
+
+def chat_loop(model: GPT, tokenizer: Tokenizer, stdin: TextIO, stdout: TextIO, *,
+              max_new_tokens: int = 32) -> list[Turn]:
+    """Read the user's lines from ``stdin`` and write the model's answers to ``stdout``
+    until end of input or Ctrl-C; returns the turns. When the conversation outgrows the
+    context its oldest turns are dropped (`fit_context`) and the user told; a
+    message that cannot be sent (too long by itself, a character or token the model cannot
+    read) is refused with the reason."""
+    turns: list[Turn] = []
+    T = model.config.context_length
+    while True:
+        stdout.write("you> ")
+        stdout.flush()
+        try:
+            line = stdin.readline()
+        except KeyboardInterrupt:
+            line = ""
+        if not line:
+            stdout.write("\nbye\n")
+            return turns
+        if not line.strip():
+            continue
+        try:
+            kept = fit_context([*turns, Turn("user", line.rstrip("\n"))], tokenizer, T)
+        except ValueError as err:  # incl. ChatFormatError
+            stdout.write(f"(not sent: {err})\n")
+            continue
+        if forgotten := len(turns) + 1 - len(kept):
+            stdout.write(f"(the conversation outgrew the context of {T} tokens: its first "
+                         f"{forgotten} turn(s) are forgotten)\n")
+        try:
+            answer = answer_turn(model, tokenizer, kept, max_new_tokens=max_new_tokens)
+        except KeyboardInterrupt:
+            stdout.write("\nbye\n")
+            return kept
+        turns = [*kept, answer]
+        stdout.write(f"{answer.text}\n")

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Annotated, Any, NamedTuple
 
 import torch
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, Field, model_validator
 
 from minigpt.checkpoint import load_checkpoint
 from minigpt.config import GPTConfig
@@ -68,6 +68,31 @@ def _to_device(model: GPT, device: str | torch.device) -> GPT:
         raise ValueError(f"cannot put the model on {device!s}: {reason}") from err
 
 
+def check_device(device: str) -> str:
+    """``device`` if a model can run on it here: cpu, cuda or cuda:N (N below the number of
+    GPUs), or mps where there is one; otherwise ValueError saying what is allowed."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"{device!r} is not a torch device; use cpu, cuda or cuda:N"
+                         ) from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{device!r}: CUDA is not available on this machine; use cpu")
+        if dev.index is not None and dev.index >= (n := torch.cuda.device_count()):
+            raise ValueError(f"{device!r}: this machine has {n} GPU(s), cuda:0 to "
+                             f"cuda:{n - 1}")
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"{device!r}: MPS is not available on this machine; use cpu")
+    elif dev.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"{device!r}: models run on cpu, cuda or cuda:N (or mps)")
+    return device
+
+
+#: A device given by the user (a command-line flag), checked where it enters.
+Device = Annotated[str, AfterValidator(check_device)]
+
+
 class SampleSettings(BaseModel):
     """What `sample_texts` continues, and how (`python -m minigpt sample`'s flags, one a
     field)."""
@@ -84,22 +109,13 @@ class SampleSettings(BaseModel):
     num_samples: int = Field(1, ge=1, description="independent continuations to print")
     cache: bool = Field(True, description="keep a key-value cache (--no-cache: slower, "
                                           "same tokens)")
-    device: str = Field("cpu", description="cpu, cuda, cuda:1, ...")
+    device: Device = Field("cpu", description="cpu, cuda, cuda:1, ...")
     beams: int | None = Field(None, ge=1, description="beam search with this many beams: the "
                               "most likely continuation found, no sampling")
     draft: Path | None = Field(None, description="speculative sampling: a smaller model's "
                                "checkpoint (same tokenizer) proposes, this one checks")
     speculate: int | None = Field(None, ge=1, description="tokens the draft proposes per "
                                   "round (default 4; needs --draft)")
-
-    @field_validator("device")
-    @classmethod
-    def _a_device(cls, device: str) -> str:
-        try:
-            torch.device(device)
-        except RuntimeError:
-            raise ValueError(f"{device!r} is not a torch device (cpu, cuda, cuda:1)") from None
-        return device
 
     @model_validator(mode="after")
     def _combinable(self) -> SampleSettings:

@@ -5,7 +5,7 @@ tokens into an `ExampleSet` whose mask marks what the assistant says; the traini
 `minigpt.train.train`'s, whose loss counts the masked targets only (`masked_lm_loss`) and
 whose accumulated micro-batches are weighted by their share of answer tokens (`train_step`).
 
-The command line's `python -m minigpt sft` fine-tunes with it (`minigpt.assistant_cli`),
+The command line's `python -m minigpt sft` fine-tunes with it (`minigpt.cli`),
 and so does set-up's `minigpt.assistant.sft_model`.
 """
 
