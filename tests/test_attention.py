@@ -117,8 +117,8 @@ def test_multi_head_fast_path_matches_explicit(causal):
     assert torch.allclose(attention(x)[0], slow, atol=0)
 
 
-def test_multi_head_rejects_indivisible_width():
-    with pytest.raises(ValueError, match=r"d_model \(=10\) must be divisible by n_heads \(=3\)"):
+def test_multi_head_asserts_a_width_the_heads_share():
+    with pytest.raises(AssertionError, match=r"d_model=10 splits into n_heads=3 heads"):
         MultiHeadAttention(10, 3)
 
 

@@ -33,8 +33,7 @@ def causal_mask(
     at positions P..P+T-1 and query i may see keys 0..P+i. The two leading
     axes broadcast over the batch and the heads.
     """
-    if past < 0:
-        raise ValueError(f"past must be >= 0, got {past}")
+    assert past >= 0, "past counts cached positions"
     keep = torch.ones(num_positions, past + num_positions, dtype=torch.bool, device=device)
     return torch.tril(keep, diagonal=past).view(1, 1, num_positions, past + num_positions)
 
@@ -98,8 +97,7 @@ class LayerKVCache:
     """
 
     def __init__(self, max_length: int) -> None:
-        if max_length < 1:
-            raise ValueError(f"max_length must be >= 1, got {max_length}")
+        assert max_length >= 1, "a cache holds at least one position"
         self.max_length = max_length
         self.length = 0
         self.keys: Tensor | None = None
@@ -129,8 +127,7 @@ class KVCache:
     """
 
     def __init__(self, n_layers: int, max_length: int) -> None:
-        if n_layers < 1:
-            raise ValueError(f"n_layers must be >= 1, got {n_layers}")
+        assert n_layers >= 1, "a cache has a layer per block"
         self.layers = [LayerKVCache(max_length) for _ in range(n_layers)]
 
     @property
@@ -157,8 +154,7 @@ class KVCache:
     def crop(self, length: int) -> None:
         """Keep only the first ``length`` positions (speculative decoding drops the keys and
         values of rejected draft tokens); the next token fed sits at position ``length``."""
-        if not 0 <= length <= self.length:  # a longer crop would expose unwritten slots
-            raise ValueError(f"crop length must lie in [0, {self.length}], got {length}")
+        assert 0 <= length <= self.length, "a longer crop would expose unwritten slots"
         for layer in self.layers:
             layer.length = length
 
@@ -225,8 +221,7 @@ class MultiHeadAttention(nn.Module):
         norm: str = "rmsnorm", rope: Callable[[Tensor, int], Tensor] | None = None,
     ) -> None:
         super().__init__()
-        if d_model % n_heads != 0:
-            raise ValueError(f"d_model (={d_model}) must be divisible by n_heads (={n_heads})")
+        assert d_model % n_heads == 0, f"d_model={d_model} splits into n_heads={n_heads} heads"
         self.n_heads = n_heads
         self.n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         self.dropout = dropout

@@ -38,8 +38,6 @@ class GPT(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        if not isinstance(config, GPTConfig):
-            raise TypeError(f"GPT expects a GPTConfig, got {type(config).__name__}")
         self.config = config
         c = config
         self.wte = TokenEmbedding(c.vocab_size, c.d_model)
@@ -251,9 +249,6 @@ def _check_ids(config: GPTConfig, input_ids: Tensor, cache: KVCache | None) -> N
 
 
 def _check_cache(config: GPTConfig, cache: KVCache, batch_size: int, length: int) -> None:
-    if not isinstance(cache, KVCache):
-        raise TypeError(f"cache must be a KVCache (from model.new_cache()), got "
-                        f"{type(cache).__name__}")
     if len(cache.layers) != config.n_layers:
         raise ValueError(f"the cache has {len(cache.layers)} layers, the model "
                          f"{config.n_layers}; make it with model.new_cache()")

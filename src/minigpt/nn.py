@@ -288,9 +288,7 @@ class FeedForward(nn.Module):
     def __init__(self, d_model: int, d_ff: int, *, dropout: float = 0.0, bias: bool = True,
                  activation: str = "gelu_tanh") -> None:
         super().__init__()
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"activation must be one of {list(ACTIVATIONS)}, "
-                             f"got {activation!r}")
+        assert activation in ACTIVATIONS, f"activation is one of {list(ACTIVATIONS)}"
         self.activation = activation
         self.c_fc = nn.Linear(d_model, d_ff, bias=bias)
         if activation in _GELU_FORMS:
