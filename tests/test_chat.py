@@ -11,6 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from minigpt.bpe import train_bpe
 from minigpt.chat import (
     ChatFormatError,
     Turn,
@@ -35,7 +36,6 @@ from minigpt.tokenizer import (
     END_OF_TURN,
     USER,
     CharTokenizer,
-    train_bpe,
     with_special_tokens,
 )
 

@@ -12,13 +12,14 @@ import pytest
 import torch
 
 from minigpt import GPT, GPTConfig
+from minigpt.bpe import train_bpe
 from minigpt.checkpoint import load_checkpoint
 from minigpt.config import TrainConfig
 from minigpt.data import ExampleSet
 from minigpt.losses import bits_per_character, estimate_loss, full_loss
 from minigpt.optim import configure_optimizer, lr_at
 from minigpt.parallel import DistContext
-from minigpt.tokenizer import CharTokenizer, train_bpe
+from minigpt.tokenizer import CharTokenizer
 from minigpt.train import History, resume_run, save_run, train
 
 V = 12

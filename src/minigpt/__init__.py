@@ -1,8 +1,8 @@
 """minigpt: the GPT that the minigpt book builds, one component at a time.
 
 Data flows one way through the modules: `tokenizer` -> `data` -> `attention` -> `nn`
--> `model` -> `decoding` / `train`; `viz` draws the chapters' static figures and `charts`
-writes the interactive ones.
+-> `model` -> `decoding` / `train`; `viz` draws the chapters' static figures, `diagram`
+the architecture's, and `charts` writes the interactive ones.
 """
 
 import os

@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from minigpt import assets, assistant, data, parallel
 from minigpt.assistant import ASSISTANT_RECIPE
+from minigpt.bpe import get_tokenizer
 from minigpt.chat import chat_loop
 from minigpt.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from minigpt.config import GPTConfig, TrainConfig
@@ -40,7 +41,7 @@ from minigpt.model import GPT
 from minigpt.sample import Device, SampleSettings, load_model, sample_texts
 from minigpt.sft import SFT_TRAINING, finetune
 from minigpt.tasks import TaskSplit, exact_match, make_tasks
-from minigpt.tokenizer import CHAT_TOKENS, KINDS, Tokenizer, get_tokenizer
+from minigpt.tokenizer import CHAT_TOKENS, KINDS, Tokenizer
 from minigpt.train import METRICS_NAME, saved_settings, train, with_global_batch, write_metrics
 
 #: A command: the flags given (only those: each settings model fills in its defaults) and

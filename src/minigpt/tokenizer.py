@@ -3,15 +3,16 @@
 Three kinds share one interface (`Tokenizer`):
 
 * `CharTokenizer`: one token per character of a fixed alphabet (Tiny Shakespeare: V = 65).
-* `BPETokenizer`: byte-level BPE trained by `train_bpe` with GPT-2's pre-tokenisation regex;
-  our merges are handed to `tiktoken.Encoding`, the fast encoder, and a pure-Python
-  `encode_reference` applies the same merges the slow, readable way.
+* `BPETokenizer`: byte-level BPE with GPT-2's pre-tokenisation regex, from merges that
+  `minigpt.bpe.train_bpe` learned; they are handed to `tiktoken.Encoding`, the fast encoder,
+  and a pure-Python `encode_reference` applies the same merges the slow, readable way.
 * `GPT2Tokenizer`: GPT-2's own 50,257-token encoding (`gpt2_encoding()`), built offline from
   the `gpt2.tiktoken` ranks that `python -m minigpt assets` fetched and verified.
 
 Special tokens are explicit: `encode` refuses text that contains a special token's string
 unless the caller allows it (`allowed_special`), `encode_ordinary` treats such strings as plain
-text, and `decode` rejects ids outside [0, V).
+text, and `decode` rejects ids outside [0, V). `with_special_tokens` appends new ones (the
+chat's roles), and `tokenizer_from_dict` rebuilds a tokenizer stored in a checkpoint.
 """
 
 from __future__ import annotations
@@ -19,9 +20,7 @@ from __future__ import annotations
 import base64
 import functools
 import hashlib
-import heapq
 import operator
-from collections import Counter
 from collections.abc import Iterable, Sequence, Set
 from itertools import pairwise
 from pathlib import Path
@@ -43,7 +42,6 @@ GPT2_PAT_STR: str = r50k_pat_str
 """GPT-2's pre-tokenisation regex (tiktoken's `r50k_base` pattern): splits text into chunks
 (contractions, letter runs, digit runs, punctuation runs, whitespace) that BPE never merges
 across, each letter/digit/punctuation run taking at most one leading space."""
-DEFAULT_BPE_VOCAB_SIZE = 512
 
 AllowedSpecial = Set[str] | Literal["all"]
 
@@ -317,77 +315,6 @@ class BPETokenizer:
                 "special_tokens": list(self._special)}
 
 
-def train_bpe(text: str, vocab_size: int, *,
-              special_tokens: Sequence[str] = (ENDOFTEXT,)) -> BPETokenizer:
-    """Learn `vocab_size - 256 - len(special_tokens)` merges on `text`.
-
-    The text is split with GPT-2's regex and BPE runs on the distinct chunks weighted by their
-    counts (a few tens of thousands of chunks rather than millions of characters). Each step
-    merges the most frequent adjacent pair of tokens; ties go to the pair whose (first, second)
-    token ids are smallest, i.e. to older tokens, bytes ordered by value, so training is
-    deterministic. Only the words containing the chosen pair are updated, and a heap with
-    stale entries skipped on pop finds the next best pair.
-    """
-    if not isinstance(text, str) or not text:
-        raise ValueError("train_bpe needs a non-empty text")
-    names = _check_special_names(special_tokens)
-    if vocab_size < 256 + len(names):
-        raise ValueError(f"vocab_size must be at least {256 + len(names)} (256 bytes + "
-                         f"{len(names)} special tokens), got {vocab_size}")
-    n_merges = vocab_size - 256 - len(names)
-
-    chunk_counts = Counter(regex.findall(GPT2_PAT_STR, text))
-    words = [list(chunk.encode("utf-8")) for chunk in chunk_counts]
-    counts = list(chunk_counts.values())
-    pair_counts: Counter[tuple[int, int]] = Counter()
-    where: dict[tuple[int, int], set[int]] = {}
-    for w, word in enumerate(words):
-        for pair in pairwise(word):
-            pair_counts[pair] += counts[w]
-            where.setdefault(pair, set()).add(w)
-    heap = [(-c, pair) for pair, c in pair_counts.items()]
-    heapq.heapify(heap)
-
-    vocab = [bytes([b]) for b in range(256)]
-    merges: list[tuple[bytes, bytes]] = []
-    while len(merges) < n_merges:
-        while heap and -heap[0][0] != pair_counts.get(heap[0][1], 0):
-            heapq.heappop(heap)  # stale: that pair's count has changed since it was pushed
-        if not heap:
-            raise ValueError(f"the text supports only {len(merges)} merges (every chunk is a "
-                             f"single token); vocab_size can be at most "
-                             f"{256 + len(merges) + len(names)}")
-        _, (a, b) = heapq.heappop(heap)
-        new = len(vocab)
-        vocab.append(vocab[a] + vocab[b])
-        merges.append((vocab[a], vocab[b]))
-        delta: Counter[tuple[int, int]] = Counter()
-        for w in where.pop((a, b)):
-            word, c = words[w], counts[w]
-            merged, k = [], 0
-            while k < len(word):
-                if k + 1 < len(word) and word[k] == a and word[k + 1] == b:
-                    merged.append(new)
-                    k += 2
-                else:
-                    merged.append(word[k])
-                    k += 1
-            for pair in pairwise(word):
-                delta[pair] -= c
-            for pair in pairwise(merged):
-                delta[pair] += c
-                where.setdefault(pair, set()).add(w)
-            words[w] = merged
-        for pair, d in delta.items():
-            if d:
-                pair_counts[pair] += d
-                if pair_counts[pair] > 0:
-                    heapq.heappush(heap, (-pair_counts[pair], pair))
-                else:
-                    del pair_counts[pair]
-    return BPETokenizer(merges, names, name=f"minigpt-bpe-{vocab_size}")
-
-
 # ------------------------------------------------------------------------------- GPT-2
 
 def load_ranks(path: Path, sha256: str) -> dict[bytes, int]:
@@ -481,26 +408,9 @@ def with_special_tokens(tokenizer: Tokenizer,
     return BPETokenizer(tokenizer.merges, old + new, pat_str=tokenizer.pat_str)
 
 
-# ------------------------------------------------------------------------ building them
+# -------------------------------------------------------------- rebuilding a stored one
 
 KINDS = ("char", "bpe", "gpt2")
-
-
-def get_tokenizer(kind: str, text: str | None = None, *,
-                  vocab_size: int | None = None) -> Tokenizer:
-    """A tokenizer of the given kind: "char" (the alphabet of `text`), "bpe" (trained on
-    `text`, `vocab_size` tokens, default 512) or "gpt2" (GPT-2's; `text` is not needed)."""
-    if kind not in KINDS:
-        raise ValueError(f"unknown tokenizer kind {kind!r}; choose one of {', '.join(KINDS)}")
-    if vocab_size is not None and kind != "bpe":
-        raise ValueError(f"vocab_size applies only to the 'bpe' tokenizer, not to {kind!r}")
-    if kind == "gpt2":
-        return GPT2Tokenizer()
-    if text is None:
-        raise ValueError(f"the {kind!r} tokenizer is built from a text; pass text=...")
-    if kind == "char":
-        return CharTokenizer.from_text(text)
-    return train_bpe(text, DEFAULT_BPE_VOCAB_SIZE if vocab_size is None else vocab_size)
 
 
 def tokenizer_from_dict(d: dict[str, Any]) -> Tokenizer:
