@@ -23,9 +23,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import torch
 
-from minigpt.viz import display_token
+from minigpt.viz import as_float64, display_token
 
 _CHART_ID = re.compile(r"[a-z][a-z0-9-]*")
 _JSON_IN_HTML = {"<": "\\u003c", ">": "\\u003e", "&": "\\u0026"}
@@ -78,13 +77,6 @@ def interactive_chart(chart: Any, chart_id: str, *, description: str) -> Interac
         raise ValueError("chart must be an Altair chart or a Vega-Lite specification "
                          "with a $schema")
     return InteractiveChart(spec, chart_id, " ".join(description.split()))
-
-
-def _float64(values: Any) -> np.ndarray:
-    """A float64 NumPy copy of a tensor or array-like."""
-    if isinstance(values, torch.Tensor):
-        return values.detach().to("cpu", torch.float64).numpy()
-    return np.asarray(values, dtype=np.float64)
 
 
 def _rounded(values: np.ndarray, digits: int) -> list[Any]:
@@ -178,7 +170,7 @@ def sampling_explorer(logits: Any, prompts: Sequence[str], tokens: Sequence[str]
     """
     import altair as alt
 
-    z = _float64(logits)
+    z = as_float64(logits)
     if z.ndim != 2 or z.shape[0] != len(prompts) or z.shape[1] != len(tokens):
         raise ValueError(f"logits must have shape (P, V) = ({len(prompts)}, {len(tokens)}), "
                          f"got {z.shape}")
@@ -212,7 +204,7 @@ def attention_explorer(maps: Sequence[Any], tokens: Sequence[str]) -> Interactiv
     """
     import altair as alt
 
-    layers = [w[0] if w.ndim == 4 else w for w in map(_float64, maps)]  # (H, T, T)
+    layers = [w[0] if w.ndim == 4 else w for w in map(as_float64, maps)]  # (H, T, T)
     shapes = sorted({w.shape for w in layers})
     if len(shapes) != 1 or len(shapes[0]) != 3 or shapes[0][1] != shapes[0][2]:
         raise ValueError(f"maps must be one (1, H, T, T) or (H, T, T) tensor per layer, all of "
@@ -322,7 +314,7 @@ def rotation_explorer(encoding: Any, pairs: Sequence[int], *, base: float = 1000
     """
     import altair as alt
 
-    P = _float64(encoding)
+    P = as_float64(encoding)
     if P.ndim != 2:
         raise ValueError(f"encoding must have shape (T, D), got {P.shape}")
     length, width = P.shape

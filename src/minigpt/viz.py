@@ -1,23 +1,24 @@
-"""The static figures the chapters show: attention heatmaps, positional encodings,
-similarities, curves, bars and histograms (the architecture diagram is `diagram`'s).
+"""The static figures the chapters show about attention and positions: attention
+heatmaps, positional encodings (heatmap and curves), similarity matrices and the distance
+bars of heads (the plots of numbers are `plots`'s, the architecture diagram `diagram`'s).
 
-Heatmaps, grouped bars, histograms and curves over several runs are drawn by seaborn,
-single curves by matplotlib, always on axes made with pyplot (a notebook shows a figure
-with `plt.show()`; nothing here calls it); every function returns the `Figure`, which
-tests inspect. seaborn's theme is never set: figures keep matplotlib's style, whose opaque
-white background reads the same in the site's light and dark modes. The data a reader
-passes is checked before anything is drawn (a wrong rank, a token list of the wrong length
-or weights outside [0, 1] raise a `ValueError` saying what was expected). Colour maps
-follow the data: sequential with limits fixed to [0, 1] for attention weights, diverging
-and centred at 0 for signed values. The interactive figures are in `charts`; the measures
-of what heads attend to are in `attention`.
+Heatmaps and grouped bars are drawn by seaborn, curves by matplotlib, always on axes made
+with pyplot (a notebook shows a figure with `plt.show()`; nothing here calls it); every
+function returns the `Figure`, which tests inspect. seaborn's theme is never set: figures
+keep matplotlib's style, whose opaque white background reads the same in the site's light
+and dark modes. The data a reader passes is checked before anything is drawn (a wrong
+rank, a token list of the wrong length or weights outside [0, 1] raise a `ValueError`
+saying what was expected). Colour maps follow the data: sequential with limits fixed to
+[0, 1] for attention weights, diverging and centred at 0 for signed values. The
+interactive figures are in `charts`; the measures of what heads attend to are in
+`attention`.
 
 Shapes use the book's notation: B batch, H heads, L layers, T positions, D model width.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import matplotlib.pyplot as plt
@@ -47,23 +48,16 @@ def display_token(token: str) -> str:
 
 # ------------------------------------------------------------------ checks of the input
 
-def _float64(values: Any) -> np.ndarray:
+def as_float64(values: Any) -> np.ndarray:
     """A float64 NumPy copy of a tensor or array-like."""
     if isinstance(values, torch.Tensor):
         return values.detach().to("cpu", torch.float64).numpy()
     return np.asarray(values, dtype=np.float64)
 
 
-def _named(entries: Mapping[str, Any], name: str) -> dict[str, np.ndarray]:
-    """A non-empty {label: values} mapping as {label: float64 array}."""
-    if not entries:
-        raise ValueError(f"{name} is empty; pass at least one {{label: values}} entry")
-    return {label: _float64(v) for label, v in entries.items()}
-
-
 def _check_weights(weights: Any) -> np.ndarray:
     """Attention weights as a (B, H, T, T) array; (H, T, T) and (T, T) gain leading axes."""
-    array = _float64(weights)
+    array = as_float64(weights)
     if not 2 <= array.ndim <= 4 or array.shape[-1] != array.shape[-2] or 0 in array.shape:
         raise ValueError(f"weights must have shape (B, H, T, T), (H, T, T) or (T, T), "
                          f"queries x keys; got shape {array.shape}")
@@ -111,7 +105,7 @@ def _head_titles(titles: Sequence[str] | None, batch: int, heads: int,
 
 
 def _encoding(encoding: Any) -> np.ndarray:
-    array = _float64(encoding)
+    array = as_float64(encoding)
     if array.ndim != 2 or 0 in array.shape:
         raise ValueError(f"encoding must have shape (T, D), got {array.shape}")
     return array
@@ -134,9 +128,9 @@ def _line_grid(dims: Sequence[int], width: int, num_positions: int, total: int,
 def _square_matrices(matrices: Any) -> list[np.ndarray]:
     """One (N, N) matrix, a (K, N, N) stack or a sequence of K matrices, as K arrays."""
     if isinstance(matrices, list | tuple):
-        arrays = [_float64(m) for m in matrices]
+        arrays = [as_float64(m) for m in matrices]
     else:
-        stacked = _float64(matrices)
+        stacked = as_float64(matrices)
         arrays = [stacked] if stacked.ndim == 2 else list(stacked)
     if not arrays or any(a.ndim != 2 or a.shape[0] != a.shape[1] or 0 in a.shape
                          for a in arrays):
@@ -145,50 +139,9 @@ def _square_matrices(matrices: Any) -> list[np.ndarray]:
     return arrays
 
 
-def _check_series(x: Any,
-                  series: Mapping[str, Any]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """x as (N,), each series as (N,) (one curve) or (S, N) (S runs, e.g. seeds)."""
-    xs = _float64(x)
-    if xs.ndim != 1 or xs.size == 0:
-        raise ValueError(f"x must be a non-empty 1-D sequence, got shape {xs.shape}")
-    arrays = _named(series, "series")
-    for label, ys in arrays.items():
-        if ys.shape[-1:] != xs.shape or ys.ndim > 2 or 0 in ys.shape:
-            raise ValueError(f"series {label!r} has shape {ys.shape}, x has {xs.shape}; "
-                             f"pass (N,) values or (S, N) for S runs")
-    return xs, arrays
-
-
-def _check_history(history: Mapping[str, Sequence[float]],
-                   smooth: int) -> tuple[np.ndarray, np.ndarray]:
-    """A History's steps and batch losses, at least `smooth` of them."""
-    missing = {"step", "loss", "eval_step", "train_loss", "val_loss"} - set(history)
-    if missing:
-        raise ValueError(f"history lacks {sorted(missing)}; pass a History's fields")
-    steps, loss = _float64(history["step"]), _float64(history["loss"])
-    if loss.size < smooth or steps.shape != loss.shape:
-        raise ValueError(f"need at least smooth={smooth} steps of matching step and loss, "
-                         f"got {steps.shape} and {loss.shape}")
-    return steps, loss
-
-
-def _distributions(distributions: Mapping[str, Any], size: int) -> dict[str, np.ndarray]:
-    """Each distribution as a (V,) probability vector, V = `size`."""
-    arrays = {k: v.ravel() for k, v in _named(distributions, "distributions").items()}
-    for label, probs in arrays.items():
-        if probs.shape != (size,):
-            raise ValueError(f"distribution {label!r} has {probs.size} entries, tokens "
-                             f"{size}")
-    return arrays
-
-
-def _samples(samples: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    return {k: v.ravel() for k, v in _named(samples, "samples").items()}
-
-
 def _distances(distances: Any) -> np.ndarray:
     """Mean attention distances as (L, H); (H,) is one layer."""
-    array = _float64(distances)
+    array = as_float64(distances)
     array = array[None] if array.ndim == 1 else array
     if array.ndim != 2 or 0 in array.shape:
         raise ValueError(f"distances must have shape (L, H) or (H,), got {array.shape}")
@@ -246,16 +199,6 @@ def _colorbar(fig: Figure, axes: Any, label: str) -> None:
     mesh = np.ravel(axes)[0].collections[0]
     shrink = 1.0 if np.size(axes) == 1 else 0.8
     fig.colorbar(mesh, ax=list(np.ravel(axes)), shrink=shrink).set_label(label)
-
-
-def _mean_with_band(ax: Axes, xs: np.ndarray, runs: np.ndarray, label: str,
-                    style: dict[str, Any], errorbar: Any) -> None:
-    """The mean of S runs (S, N) with seaborn's band; the bootstrap's seed is fixed so
-    the figure is the same every time. Markers keep matplotlib's look (seaborn's default
-    white edge would hide 'x' and '+')."""
-    sns.lineplot(x=np.tile(xs, len(runs)), y=runs.ravel(), ax=ax, label=label,
-                 errorbar=errorbar, seed=0,
-                 **({"markeredgecolor": None, "markeredgewidth": None} | style))
 
 
 # ------------------------------------------------------------------------------ figures
@@ -364,7 +307,7 @@ def cosine_similarity_matrix(vectors: Any) -> torch.Tensor:
 
     A zero vector has no direction, so it is refused rather than given similarity 0.
     """
-    x = torch.from_numpy(_float64(vectors))  # float64, finite
+    x = torch.from_numpy(as_float64(vectors))  # float64, finite
     if x.dim() != 2 or 0 in x.shape:
         raise ValueError(f"vectors must have shape (N, D), got {tuple(x.shape)}")
     norms = x.norm(dim=1, keepdim=True)
@@ -407,112 +350,6 @@ def similarity_heatmap(
     _colorbar(fig, axes, "similarity")
     if len(arrays) > 1:
         fig.suptitle(title)
-    return fig
-
-
-def line_plot(
-    x: Any,
-    series: Mapping[str, Any],
-    *,
-    title: str,
-    xlabel: str,
-    ylabel: str,
-    marker: str | None = "o",
-    styles: Mapping[str, Mapping[str, Any]] | None = None,
-    logy: bool = False,
-    errorbar: Any = ("ci", 95),
-) -> Figure:
-    """Several named curves y(x) on one pair of axes, with a legend.
-
-    A series of shape (N,) is one curve; one of shape (S, N) holds S runs (seeds) and
-    is drawn as their mean with a band, seaborn's ``errorbar`` (default the 95%
-    bootstrap confidence interval of the mean; ``"sd"`` for +-1 standard deviation).
-    ``styles`` maps a series' label to extra `Axes.plot` keyword arguments (e.g. a wide
-    pale line for a reference curve that other curves lie on); ``logy`` puts y on a log
-    scale.
-    """
-    styles = {} if styles is None else styles
-    xs, arrays = _check_series(x, series)
-    fig, ax = plt.subplots(layout="constrained", figsize=(6.4, 3.6))
-    for label, ys in arrays.items():
-        style = {"marker": marker, "markersize": 3} | dict(styles.get(label, {}))
-        if ys.ndim == 1:
-            ax.plot(xs, ys, label=label, **style)
-        else:
-            _mean_with_band(ax, xs, ys, label, style, errorbar)
-    if logy:
-        ax.set_yscale("log")
-    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
-    ax.legend()
-    return fig
-
-
-def training_curves(history: Mapping[str, Sequence[float]], *, title: str,
-                    smooth: int = 50) -> Figure:
-    """The loss of a training run: each step's batch loss (pale), its running mean over
-    ``smooth`` steps, and the evaluated train and validation losses (markers).
-
-    ``history`` holds the lists of a `minigpt.train.History` (or its ``asdict``): step,
-    loss, eval_step, train_loss, val_loss.
-    """
-    steps, loss = _check_history(history, smooth)
-    mean = np.convolve(loss, np.ones(smooth) / smooth, mode="valid")
-    fig, ax = plt.subplots(layout="constrained", figsize=(6.4, 3.6))
-    ax.plot(steps + 1, loss, color="tab:blue", alpha=0.25, linewidth=0.8,
-            label="batch loss")
-    ax.plot(steps[smooth - 1:] + 1, mean, color="tab:blue", label=f"mean of {smooth} steps")
-    for key, colour, label in (("train_loss", "tab:green", "train (evaluated)"),
-                               ("val_loss", "tab:red", "validation (evaluated)")):
-        ax.plot(history["eval_step"], history[key], "o-", color=colour, markersize=4,
-                label=label)
-    ax.set(title=title, xlabel="optimiser steps", ylabel="loss (nats per token)")
-    ax.legend()
-    return fig
-
-
-def distribution_bars(distributions: Mapping[str, Any], tokens: Sequence[str], *,
-                      title: str, top: int = 20, same_order: bool = True) -> Figure:
-    """Several distributions over one vocabulary as bar charts, one panel each.
-
-    With ``same_order`` every panel shows the ``top`` tokens most likely under the first
-    distribution, in that order, so that panels compare bar by bar (one distribution
-    reshaped several ways); otherwise each panel shows its own ``top`` (distributions
-    after different prompts). The title of each panel gives the mass its bars hold.
-    ``tokens[i]`` labels id i (whitespace made visible).
-    """
-    arrays = _distributions(distributions, len(tokens))
-    first = np.argsort(-next(iter(arrays.values())), kind="stable")[:top]
-    fig, axes = plt.subplots(1, len(arrays), layout="constrained", sharey=True,
-                             figsize=(3.2 * len(arrays) + 0.6, 3.2), squeeze=False)
-    for ax, (label, probs) in zip(axes[0], arrays.items(), strict=True):
-        order = first if same_order else np.argsort(-probs, kind="stable")[:top]
-        ax.bar(range(len(order)), probs[order], color="tab:blue")
-        ax.set_xticks(range(len(order)), [display_token(tokens[i]) for i in order],
-                      fontsize=8)
-        ax.set_title(f"{label}\n(mass shown {probs[order].sum():.2f})", fontsize=10)
-        ax.set_xlabel("next token")
-    axes[0][0].set_ylabel("probability")
-    fig.suptitle(title)
-    return fig
-
-
-def histogram_plot(
-    samples: Mapping[str, Any],
-    *,
-    title: str,
-    xlabel: str,
-    bins: int = 60,
-    value_range: tuple[float, float] | None = None,
-) -> Figure:
-    """Overlaid density histograms of several named samples (same bins for all; each
-    sample's density integrates to 1)."""
-    arrays = _samples(samples)
-    values = np.concatenate(list(arrays.values()))
-    names = np.repeat(list(arrays), [a.size for a in arrays.values()])
-    fig, ax = plt.subplots(layout="constrained", figsize=(6.4, 3.6))
-    sns.histplot(x=values, hue=names, bins=bins, binrange=value_range, stat="density",
-                 common_norm=False, element="step", alpha=0.45, ax=ax)
-    ax.set(title=title, xlabel=xlabel, ylabel="density")
     return fig
 
 
