@@ -1,8 +1,9 @@
 """minigpt: the GPT that the minigpt book builds, one component at a time.
 
 Data flows one way through the modules: `tokenizer` -> `data` -> `attention` -> `nn`
--> `model` -> `decoding` / `train`; `viz` draws the chapters' static figures, `diagram`
-the architecture's, and `charts` writes the interactive ones.
+-> `model` -> `decoding` / `losses` -> `train`; `viz` draws the figures of attention and
+positions, `plots` the plots of numbers, `diagram` the architecture, and `charts` writes
+the interactive figures.
 """
 
 import os
