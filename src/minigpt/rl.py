@@ -1,0 +1,451 @@
+"""Learning from rewards: reinforcement learning with verifiable rewards (GRPO).
+
+A task's answer can be checked by a program (`minigpt.tasks`), so a model can learn from its
+own attempts rather than from answers to imitate. For each question it samples a group of
+G answers (`rollouts`); each is scored 1 if exactly right and 0 if not (`score`); an
+answer's *advantage* is how much better it did than its group's mean (`group_advantages`);
+and the loss raises the log-probability of the answers that beat their group and lowers
+that of the others (`grpo_loss`). The reward is the checker's verdict: no reward model is
+learned, so there is none to fool.
+
+This is GRPO (Shao et al., 2024, DeepSeekMath): PPO's clipped objective (Schulman et al.,
+2017) with the group's mean reward as the baseline in place of a learned value function,
+and a penalty on the KL divergence to the starting model, estimated from the sampled tokens
+(`kl_estimate`, after Schulman's 2020 note on approximating KL divergence). Dr. GRPO (Liu et
+al., 2025, "Understanding R1-Zero-like training") drops GRPO's two normalisations, by the
+group's standard deviation and by each answer's length, which bias what is learned
+(``scale="none"``, ``length_norm="constant"``).
+
+`grpo_batch` makes a batch of scored rollouts and `grpo_step` one optimiser step on it,
+with `minigpt.train.train_step` and `rollout_loss` as its loss; under DDP each rank samples
+answers to its own questions and the gradients are averaged. `pass_at_k` measures what
+sampling can reach: the chance that at least one of k answers is right.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Literal, NamedTuple, cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from minigpt.chat import prompt_ids
+from minigpt.data import Batch
+from minigpt.decoding import eval_mode, generate
+from minigpt.losses import SINGLE
+from minigpt.model import GPT
+from minigpt.optim import Optimizer
+from minigpt.parallel import DistContext, mean_over_ranks
+from minigpt.tasks import Task
+from minigpt.tokenizer import END_OF_TURN, Tokenizer
+from minigpt.train import train_step
+
+Scale = Literal["std", "none"]
+KLKind = Literal["k1", "k3"]
+LengthNorm = Literal["sequence", "constant"]
+
+
+def _choose(name: str, value: str, options: tuple[str, ...]) -> None:
+    if value not in options:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, options))}, got {value!r}")
+
+
+# ---------------------------------------------------------------------------- pass@k
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """pass@k from n sampled answers of which c are right: the probability that k of them,
+    drawn without replacement, hold at least one right answer.
+
+    The unbiased estimator of Chen et al. (2021), 1 - C(n - c, k) / C(n, k), computed as
+    1 - prod_{i = n - c + 1}^{n} (1 - k / i): no binomial coefficient is formed, so n may be
+    large. Exactly 0 when c = 0, and exactly 1 when n - c < k (every k of the n then hold a
+    right one).
+    """
+    for name, value in (("n", n), ("c", c), ("k", k)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+            raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    if c > n:
+        raise ValueError(f"c, the right answers, cannot exceed n = {n} answers; got c = {c}")
+    if not 1 <= k <= n:
+        raise ValueError(f"k answers are drawn from the n = {n}: k must lie in [1, {n}], "
+                         f"got k = {k}")
+    if c == 0:
+        return 0.0
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+# ------------------------------------------------------------------------ advantages
+
+def zero_signal_groups(rewards: Tensor) -> Tensor:
+    """(P,) bool, True for the groups whose G rewards (P, G) are all equal (with 1/0
+    rewards: all right or all wrong). Their advantages are 0, so they teach nothing;
+    ``.sum()`` counts them."""
+    return (rewards == rewards[:, :1]).all(dim=1)
+
+
+def group_advantages(rewards: Tensor, *, scale: Scale = "std", eps: float = 1e-6) -> Tensor:
+    """Each answer's advantage over its group: rewards (P, G) -> advantages (P, G).
+
+    A_ij = r_ij - mean_j r_ij, the reward minus its group's mean (the baseline), divided by
+    the group's standard deviation (population, over the G answers) plus ``eps`` when
+    ``scale="std"`` (GRPO's), or not (``"none"``, Dr. GRPO's: dividing by the std weights
+    the groups whose answers nearly all agree, the too-easy and too-hard questions, most).
+    A group whose rewards are all equal gets advantage exactly 0 (`zero_signal_groups`).
+    The mean includes the answer's own reward, so it is not quite independent of the
+    answer: with ``"none"`` the expected policy gradient is (G - 1)/G of the true one, a
+    smaller step in the same direction.
+
+    Args:
+        rewards: (P, G), G answers to each of P prompts.
+        scale: "std" or "none".
+        eps: > 0, keeps the division finite.
+    """
+    if rewards.dim() != 2 or rewards.numel() == 0:
+        raise ValueError(f"rewards must have shape (P, G), P prompts x G answers, got "
+                         f"{tuple(rewards.shape)}")
+    _choose("scale", scale, ("std", "none"))
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0, got {eps}")
+    if not rewards.is_floating_point():
+        rewards = rewards.to(torch.get_default_dtype())
+    advantages = rewards - rewards.mean(dim=1, keepdim=True)
+    if scale == "std":
+        advantages = advantages / (rewards.std(dim=1, keepdim=True, correction=0) + eps)
+    # Float rounding can leave r - mean a hair off zero in an all-equal group: make it 0.
+    return advantages.masked_fill(zero_signal_groups(rewards)[:, None], 0.0)
+
+
+# ------------------------------------------------------------------------------ the loss
+
+def token_logprobs(model: nn.Module, x: Tensor, y: Tensor, mask: Tensor) -> Tensor:
+    """log pi(y_t | x_1..x_t) of each target where ``mask``, 0 elsewhere.
+
+    Args:
+        x, y: (N, L) inputs and targets. mask: (N, L) bool, True on the answer's targets.
+    Returns: (N, L) float32; its sum over L is `minigpt.dpo.sequence_logprobs`.
+    """
+    logp = F.log_softmax(model(x).float(), dim=-1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
+    return torch.where(mask, logp, 0.0)
+
+
+def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: KLKind = "k3") -> Tensor:
+    """A per-token estimate of KL(pi || pi_ref) from tokens sampled from pi.
+
+    With d = log pi_ref(y) - log pi(y) of a sampled token y (Schulman, 2020):
+    k1 = -d, unbiased but negative on every token pi_ref likes more than pi does;
+    k3 = e^d - 1 - d, also unbiased (E_pi[e^d] = sum_y pi_ref(y) = 1) and never negative,
+    with less variance when the two are close. Shapes are kept.
+    """
+    _choose("kl", kind, ("k1", "k3"))
+    d = ref_logp - logp
+    return -d if kind == "k1" else torch.expm1(d) - d
+
+
+def grpo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
+              clip: float = 0.2, ref_logp: Tensor | None = None, kl_coef: float = 0.0,
+              kl: KLKind = "k3", length_norm: LengthNorm = "sequence",
+              max_tokens: int | None = None) -> Tensor:
+    """GRPO's loss, to minimise: minus the clipped objective, with a KL penalty.
+
+    For each answer token, with its answer's advantage A:
+        ratio = exp(logp - old_logp), the policy's probability over the sampler's;
+        objective = min(ratio A, clip(ratio, 1 - clip, 1 + clip) A) - kl_coef * kl.
+    Once the ratio is past 1 + clip where A > 0 (below 1 - clip where A < 0), the min
+    takes the constant clipped term and the token gives no gradient: several steps on one
+    batch of rollouts cannot carry the policy far from the one that sampled it (PPO's clip,
+    Schulman et al., 2017). Each answer's objective is the mean over its tokens
+    (``"sequence"``, GRPO's; a long answer's tokens then count less each, which Dr. GRPO
+    finds lengthens wrong answers) or their sum over the constant ``max_tokens``
+    (``"constant"``, Dr. GRPO's); the loss is minus their mean over the N answers.
+
+    On-policy, old_logp = logp.detach(): the ratio is exactly 1, the clip is inactive and,
+    without the KL term, the loss's gradient is minus REINFORCE's policy-gradient estimate
+    with the group's baseline, -mean_i A_i (1/|o_i|) sum_t grad log pi(o_it) (1/max_tokens
+    in place of 1/|o_i| for ``"constant"``).
+    A mean over answers: under DDP, ranks holding equally many answers average their
+    gradients to the gradient of all answers together.
+
+    Args:
+        logp: (N, L) log-probs of the sampled tokens under the policy trained (with grad).
+        old_logp: (N, L) the same under the policy that sampled them.
+        advantages: (N,) each answer's advantage (`group_advantages`, flattened).
+        mask: (N, L) bool, True on the answers' tokens (their end token included).
+        clip: epsilon > 0. ref_logp: (N, L) under the reference, needed if kl_coef > 0.
+        kl_coef: beta >= 0. kl: "k1" or "k3" (`kl_estimate`).
+        length_norm: "sequence" or "constant". max_tokens: the constant (>= 1).
+    Returns: a scalar.
+    """
+    _choose("length_norm", length_norm, ("sequence", "constant"))
+    if not clip > 0:
+        raise ValueError(f"clip must be > 0, got {clip}")
+    if not kl_coef >= 0:
+        raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
+    if kl_coef > 0 and ref_logp is None:
+        raise ValueError("a KL penalty (kl_coef > 0) needs ref_logp, the reference's "
+                         "log-probabilities of the same tokens")
+    if length_norm == "constant" and (max_tokens is None or max_tokens < 1):
+        raise ValueError(f"length_norm='constant' divides by max_tokens, the longest an "
+                         f"answer may be: give an int >= 1, got {max_tokens!r}")
+    assert logp.shape == old_logp.shape == mask.shape, "logp, old_logp, mask: (N, L)"
+    assert advantages.shape == logp.shape[:1], "one advantage per answer: (N,)"
+    ratio = torch.exp(logp - old_logp)
+    a = advantages[:, None].to(logp.dtype)
+    objective = torch.minimum(ratio * a, ratio.clamp(1 - clip, 1 + clip) * a)
+    if kl_coef > 0:
+        assert ref_logp is not None
+        objective = objective - kl_coef * kl_estimate(logp, ref_logp, kl)
+    total = torch.where(mask, objective, 0.0).sum(dim=1)  # (N,)
+    if length_norm == "sequence":
+        per_answer = total / mask.sum(dim=1).clamp(min=1)
+    else:
+        assert max_tokens is not None
+        per_answer = total / max_tokens
+    return -per_answer.mean()
+
+
+# ------------------------------------------------------------------------------ rollouts
+
+class Rollouts(NamedTuple):
+    """G answers to each of P prompts, N = P G rows, prompt p's answers in rows
+    pG .. pG + G - 1.
+
+    Attributes:
+        ids: (N, L) each prompt then its answer, then the end token repeated up to the
+            longest row (whatever was drawn after an answer's end is dropped).
+        mask: (N, L) bool, True on the answer's tokens, its end token included (not on the
+            prompt, nor on anything after the end token).
+        texts: the N answers decoded, cut before their end token.
+    """
+
+    ids: Tensor
+    mask: Tensor
+    texts: list[str]
+
+
+@torch.no_grad()
+def rollouts(model: GPT, tokenizer: Tokenizer, prompts: Sequence[Sequence[int]], *,
+             group_size: int, max_new_tokens: int, generator: torch.Generator | None,
+             temperature: float = 1.0, end_id: int | None = None) -> Rollouts:
+    """Sample ``group_size`` answers to each prompt from ``model`` (`minigpt.generate`, with
+    its key-value cache; ``temperature`` 0 is greedy, and checked there).
+
+    The answers to prompts of one length are decoded together in one batch. Each answer
+    ends at its first ``end_id`` (default: the end-of-turn token), after
+    ``max_new_tokens`` tokens, or where the context is full. ``generator`` must live on the
+    model's device (the draws happen there); seeded, it makes the rollouts reproducible.
+    The model is in eval mode for the call. Returns `Rollouts` on the model's device.
+    """
+    T = model.config.context_length
+    device = next(model.parameters()).device
+    if not prompts:
+        raise ValueError("rollouts needs at least one prompt")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
+    if generator is not None and generator.device.type != device.type:
+        raise ValueError(f"the generator is on {generator.device} and the model on {device}: "
+                         f"make it with torch.Generator({str(device)!r})")
+    end = tokenizer.special_tokens[END_OF_TURN] if end_id is None else end_id
+    if not 0 <= end < model.config.vocab_size:
+        raise ValueError(f"end_id must lie in [0, {model.config.vocab_size}), got {end}")
+    by_length: dict[int, list[int]] = {}
+    for k, p in enumerate(prompts):
+        if not 0 < len(p) < T:
+            raise ValueError(f"prompt {k} has {len(p)} tokens; a prompt needs 1 to {T - 1}, "
+                             f"leaving room for an answer in the context of {T}")
+        by_length.setdefault(len(p), []).append(k)
+    G = group_size
+    seqs: list[list[int]] = [[] for _ in range(len(prompts) * G)]
+    for length, ks in by_length.items():
+        rows = [list(prompts[k]) for k in ks for _ in range(G)]
+        new = generate(model, rows, min(max_new_tokens, T - length), temperature=temperature,
+                       generator=generator)
+        for i, seq in enumerate(new.tolist()):  # row i is answer i % G to prompt ks[i // G]
+            seqs[ks[i // G] * G + i % G] = seq
+    L = max(map(len, seqs))
+    ids, mask, texts = [], [], []
+    for r, seq in enumerate(seqs):
+        n = len(prompts[r // G])
+        answer = seq[n:]
+        said = answer.index(end) + 1 if end in answer else len(answer)  # the end token too
+        ids.append(seq[:n + said] + [end] * (L - n - said))  # drawn after the end: dropped
+        mask.append([False] * n + [True] * said + [False] * (L - n - said))
+        texts.append(tokenizer.decode(answer[:said - 1] if end in answer else answer))
+    return Rollouts(torch.tensor(ids, device=device), torch.tensor(mask, device=device), texts)
+
+
+def score(answers: Sequence[str], tasks: Sequence[Task]) -> Tensor:
+    """The rewards (N,) float32: 1 where answer i is task i's answer exactly, else 0.
+
+    Exact match, the comparison by which `minigpt.tasks.exact_match` scores a model: a
+    verifiable reward, a program's verdict on the answer (as cut before its end token).
+    """
+    if len(answers) != len(tasks):
+        raise ValueError(f"{len(answers)} answers for {len(tasks)} tasks: give one answer "
+                         "per task")
+    return torch.tensor([float(a == t.answer) for a, t in zip(answers, tasks, strict=True)])
+
+
+# --------------------------------------------------------------------------- one step
+
+@dataclass(frozen=True)
+class GRPOSettings:
+    """How a GRPO step samples and learns.
+
+    Attributes:
+        group_size: G >= 2 answers to each question (a lone answer has no group to beat).
+        max_new_tokens: the longest answer, >= 1 (and the constant of
+            ``length_norm="constant"``).
+        temperature: the sampling temperature; 1 samples from the policy itself, which the
+            policy gradient assumes.
+        clip: PPO's epsilon > 0. kl_coef: beta >= 0, the KL penalty's weight.
+        kl: the KL estimator, "k1" or "k3". scale: "std" (GRPO) or "none" (Dr. GRPO).
+        length_norm: "sequence" (GRPO) or "constant" (Dr. GRPO).
+        grad_clip: the gradient's largest norm (0: not clipped).
+    """
+
+    group_size: int = 8
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    clip: float = 0.2
+    kl_coef: float = 0.0
+    kl: KLKind = "k3"
+    scale: Scale = "std"
+    length_norm: LengthNorm = "sequence"
+    grad_clip: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name, low in (("group_size", 2), ("max_new_tokens", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if not 0 < self.clip < math.inf:  # NaN fails too
+            raise ValueError(f"clip must be a finite number > 0, got {self.clip!r}")
+        for name in ("kl_coef", "grad_clip"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be a finite number >= 0, got "
+                                 f"{getattr(self, name)!r}")
+        _choose("kl", self.kl, ("k1", "k3"))
+        _choose("scale", self.scale, ("std", "none"))
+        _choose("length_norm", self.length_norm, ("sequence", "constant"))
+
+
+class RolloutBatch(NamedTuple):
+    """N scored answers, as `rollout_loss` reads them: inputs ``x``, targets ``y`` and the
+    answers' ``mask`` (N, L), ``advantages`` (N,), the log-probabilities of the targets
+    under the policy that sampled them, ``old_logp`` (N, L), and under the reference,
+    ``ref_logp`` (N, L) (None without one)."""
+
+    x: Tensor
+    y: Tensor
+    mask: Tensor
+    advantages: Tensor
+    old_logp: Tensor
+    ref_logp: Tensor | None
+
+
+def grpo_batch(policy: GPT, tokenizer: Tokenizer, tasks: Sequence[Task],
+               settings: GRPOSettings, *, generator: torch.Generator | None,
+               reference: GPT | None = None) -> tuple[RolloutBatch, Tensor]:
+    """Sample G answers to each task's question (`rollouts`, in the chat format), score
+    them (`score`) and weigh them (`group_advantages`); returns the `RolloutBatch` and the
+    rewards (P, G), on the policy's device."""
+    if not tasks:
+        raise ValueError("grpo_batch needs at least one task")
+    G = settings.group_size
+    prompts = [prompt_ids(t.conversation()[:1], tokenizer) for t in tasks]
+    out = rollouts(policy, tokenizer, prompts, group_size=G, generator=generator,
+                   max_new_tokens=settings.max_new_tokens, temperature=settings.temperature)
+    rewards = score(out.texts, [t for t in tasks for _ in range(G)]).view(len(tasks), G)
+    rewards = rewards.to(out.ids.device)
+    advantages = group_advantages(rewards, scale=settings.scale).flatten()
+    x, y, mask = out.ids[:, :-1], out.ids[:, 1:], out.mask[:, 1:]
+    with torch.no_grad(), eval_mode(policy):
+        old_logp = token_logprobs(policy, x, y, mask)
+        ref_logp = None
+        if reference is not None:
+            with eval_mode(reference):
+                ref_logp = token_logprobs(reference, x, y, mask)
+    return RolloutBatch(x, y, mask, advantages, old_logp, ref_logp), rewards
+
+
+def rollout_loss(model: nn.Module, batch: RolloutBatch, *, settings: GRPOSettings) -> Tensor:
+    """`grpo_loss` of a `RolloutBatch` under ``model`` (a `minigpt.losses.LossFn`)."""
+    logp = token_logprobs(model, batch.x, batch.y, batch.mask)
+    return grpo_loss(logp, batch.old_logp, batch.advantages, batch.mask, clip=settings.clip,
+                     ref_logp=batch.ref_logp, kl_coef=settings.kl_coef, kl=settings.kl,
+                     length_norm=settings.length_norm, max_tokens=settings.max_new_tokens)
+
+
+@dataclass(frozen=True)
+class GRPOStats:
+    """What one GRPO step measured (averaged over the ranks).
+
+    Attributes:
+        reward: the mean reward of the sampled answers.
+        zero_signal: the fraction of groups whose answers all scored the same.
+        loss: `grpo_loss` of the batch, before the step.
+        kl: the KL estimate (``settings.kl``) of the policy that sampled to the reference,
+            summed over each answer's tokens, in nats per answer; None without a reference.
+        length: the mean number of tokens an answer has (its end token included).
+        grad_norm: the gradient's norm before clipping.
+    """
+
+    reward: float
+    zero_signal: float
+    loss: float
+    kl: float | None
+    length: float
+    grad_norm: float
+
+
+def grpo_step(policy: GPT, optimizer: Optimizer, tokenizer: Tokenizer, tasks: Sequence[Task],
+              settings: GRPOSettings, *, generator: torch.Generator | None,
+              reference: GPT | None = None, trainee: nn.Module | None = None,
+              ctx: DistContext = SINGLE) -> GRPOStats:
+    """One GRPO step on ``tasks``: rollouts, rewards and advantages (`grpo_batch`), then one
+    optimiser step on `rollout_loss` with `minigpt.train.train_step`.
+
+    The policy runs without dropout throughout, so that the log-probabilities the loss
+    reads are those of the policy that sampled the answers (the ratio starts at 1).
+
+    Several processes: each rank passes its own tasks (every rank as many) and its own
+    generator, and ``trainee``, the policy wrapped in DDP (`minigpt.train.trainee_of`);
+    the gradients are averaged over the ranks, which is the gradient of all their answers
+    together (`grpo_loss` is a mean over answers), and the measurements are averaged too.
+
+    Args:
+        policy: the model trained (a chat model), sampled from.
+        optimizer: its optimiser. tokenizer: its chat tokenizer.
+        tasks: this rank's questions. settings: `GRPOSettings`.
+        generator: on the policy's device, for the draws. reference: the frozen model of
+            the KL penalty (needed if ``settings.kl_coef`` > 0; it also gives ``kl``).
+        trainee: the module the loss runs through (default: the policy). ctx: this rank.
+    """
+    if settings.kl_coef > 0 and reference is None:
+        raise ValueError("settings.kl_coef > 0 penalises the KL to a reference: give the "
+                         "reference model")
+    with eval_mode(policy):
+        batch, rewards = grpo_batch(policy, tokenizer, tasks, settings, generator=generator,
+                                    reference=reference)
+        # With a loss_fn, train_step reads only .x of a batch (for its device).
+        result = train_step(policy if trainee is None else trainee, optimizer,
+                            cast("list[Batch]", [batch]), grad_clip=settings.grad_clip,
+                            loss_fn=partial(rollout_loss, settings=settings))
+    kl = torch.zeros((), device=rewards.device)
+    if batch.ref_logp is not None:
+        per_token = kl_estimate(batch.old_logp, batch.ref_logp, settings.kl)
+        kl = torch.where(batch.mask, per_token, 0.0).sum(dim=1).mean()
+    measured = torch.stack([rewards.mean(), zero_signal_groups(rewards).float().mean(),
+                            torch.tensor(result.loss, device=rewards.device), kl,
+                            batch.mask.sum(dim=1).float().mean()])
+    reward, zero_signal, loss, kl_value, length = mean_over_ranks(measured, ctx).tolist()
+    return GRPOStats(reward, zero_signal, loss, kl_value if reference is not None else None,
+                     length, result.grad_norm)
