@@ -607,7 +607,8 @@ def test_chat_with_piped_input(runs: dict[str, Path], monkeypatch: pytest.Monkey
     assert main(["chat", "--checkpoint", str(runs["sft"]), "--max-new-tokens", "4",
                  "--device", "cpu"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("chatting with sft (context 64 tokens)")
+    assert out.startswith(f"chatting with {runs['sft']} (context 64 tokens; the oldest turns "
+                          "are dropped when the conversation outgrows it); end with Ctrl-D")
     assert out.count("you> ") == 4 and out.rstrip().endswith("bye")
 
 

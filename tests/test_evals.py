@@ -1,10 +1,12 @@
 """The benchmarks: multiple-choice items from held-out text (deterministic, true ending
 among length-matched distractors), scorers (a GPT's, the count models'), accuracy by
-summed and per-character likelihood, and the table."""
+summed and per-character likelihood, exact match by turn of a conversation, and the
+table."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import hypothesis.strategies as st
 import numpy as np
@@ -12,21 +14,23 @@ import pytest
 import torch
 from hypothesis import given
 
+import minigpt.chat
 from minigpt import GPT, GPTConfig
-from minigpt.chat import add_chat_tokens
+from minigpt.chat import Turn, add_chat_tokens, fit_context, prompt_ids, reply
 from minigpt.evals import (
     CHANCE,
     Choice,
     CountModel,
     benchmark_table,
+    exact_match_by_turn,
     format_table,
     make_choices,
     model_scorer,
     multiple_choice,
     speech_lines,
 )
-from minigpt.tasks import make_tasks
-from minigpt.tokenizer import CharTokenizer
+from minigpt.tasks import Task, make_tasks
+from minigpt.tokenizer import CharTokenizer, Tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 WORDS = ["fair", "moon", "night", "love", "sweet", "lord", "good", "king", "heart", "death"]
@@ -100,10 +104,10 @@ def test_accuracy_by_sum_and_per_character() -> None:
     assert result == {"summed": 0.0, "per_char": 1.0}
 
 
-def model() -> tuple[GPT, CharTokenizer]:
+def model(context_length: int = 64) -> tuple[GPT, CharTokenizer]:
     tok = CharTokenizer.from_text(play() + "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ:")
     torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=tok.vocab_size, context_length=64, d_model=16,
+    return GPT(GPTConfig(vocab_size=tok.vocab_size, context_length=context_length, d_model=16,
                          n_heads=2, n_layers=1)).eval(), tok
 
 
@@ -139,3 +143,82 @@ def test_table_rows() -> None:
     table = format_table(rows)
     assert table.splitlines()[0].split() == list(rows[0])
     assert len(table.splitlines()) == 6 and "0.250" in table
+
+
+# ----- exact match turn by turn ---------------------------------------------------------
+
+def chat_model(context_length: int = 64) -> tuple[GPT, Tokenizer]:
+    return add_chat_tokens(*model(context_length))
+
+
+def held_out(n: int = 6) -> list[Task]:
+    return make_tasks(play(400), 3, n, seed=0, families=["first_word", "upper", "reverse"]).test
+
+
+def test_by_turn_shapes_and_determinism() -> None:
+    gpt, tok = chat_model()
+    tasks = held_out()  # 18 tasks: 4 conversations of 4, 2 left over
+    result = exact_match_by_turn(gpt, tok, tasks, max_new_tokens=4)
+    assert len(result.by_turn) == len(result.single_turn) == len(result.dropped) == 4
+    assert len(result.conversations) == 4
+    assert all(0.0 <= v <= 1.0 for v in (*result.by_turn, *result.single_turn))
+    for conversation in result.conversations:
+        assert [t.role for t in conversation] == ["user", "assistant"] * 4
+        assert {t.text for t in conversation[::2]} <= {t.question for t in tasks}
+    assert exact_match_by_turn(gpt, tok, tasks, max_new_tokens=4) == result
+    other = exact_match_by_turn(gpt, tok, tasks, max_new_tokens=4, seed=1)
+    assert other.conversations != result.conversations
+    assert len(exact_match_by_turn(gpt, tok, tasks, n_turns=1, max_new_tokens=2).by_turn) == 1
+
+
+def test_turn_one_is_the_single_turn_score_and_later_turns_read_the_earlier_ones() -> None:
+    gpt, tok = chat_model()
+    # Tasks whose right answer is what the model says to the question alone: single-turn
+    # exact match is 1 on each, and so is turn 1; a later turn is asked after earlier ones.
+    tasks = [replace(t, answer=reply(gpt, tok, [Turn("user", t.question)], max_new_tokens=4))
+             for t in held_out()]
+    result = exact_match_by_turn(gpt, tok, tasks, n_turns=3, max_new_tokens=4)
+    assert result.single_turn == (1.0, 1.0, 1.0)
+    assert result.by_turn[0] == 1.0
+    assert min(result.by_turn[1:]) < 1.0  # the earlier turns change this model's answers
+
+
+def test_the_conversation_carries_the_earlier_turns(monkeypatch: pytest.MonkeyPatch) -> None:
+    gpt, tok = chat_model(context_length=256)
+    fed: list[list[int]] = []
+    greedy = minigpt.chat.greedy_replies
+
+    def recording(model: GPT, tokenizer: Tokenizer, prompts: list[list[int]],
+                  **kwargs: int) -> list[str]:
+        fed.extend(map(list, prompts))
+        return greedy(model, tokenizer, prompts, **kwargs)
+
+    monkeypatch.setattr(minigpt.chat, "greedy_replies", recording)
+    result = exact_match_by_turn(gpt, tok, held_out()[:8], n_turns=4, max_new_tokens=4)
+    assert result.dropped == (0.0, 0.0, 0.0, 0.0)
+    whole = [t for conversation in result.conversations for t in conversation]
+    expected = [prompt_ids(conversation[:2 * k + 1], tok) for conversation in
+                result.conversations for k in range(4)]
+    assert fed == expected  # the k-th question after the k - 1 questions and answers before
+    assert len(fed[3]) > len(fed[2]) > len(fed[1]) > len(fed[0]) and len(whole) == 16
+
+
+def test_turns_are_dropped_when_the_context_is_short() -> None:
+    gpt, tok = chat_model(context_length=48)
+    tasks = held_out()
+    result = exact_match_by_turn(gpt, tok, tasks, n_turns=3, max_new_tokens=8)
+    assert result.dropped[0] == 0.0 and min(result.dropped[1:]) > 0.0
+    # the turns missing from each prompt: what fit_context drops from the whole conversation
+    missing = np.array([[2 * k + 1 - len(fit_context(c[:2 * k + 1], tok, 48)) for k in range(3)]
+                        for c in result.conversations])
+    assert result.dropped == tuple(missing.mean(0).tolist())
+
+
+@pytest.mark.parametrize("n_turns, n_tasks, message", [
+    (0, 6, "n_turns must be an int >= 1, got 0"),
+    (2.0, 6, "n_turns must be an int >= 1, got 2.0"),
+    (4, 3, "a conversation of 4 turns needs at least 4 tasks, got 3")])
+def test_by_turn_bad_arguments(n_turns: int, n_tasks: int, message: str) -> None:
+    gpt, tok = chat_model()
+    with pytest.raises(ValueError, match=message):
+        exact_match_by_turn(gpt, tok, held_out()[:n_tasks], n_turns=n_turns)

@@ -475,8 +475,9 @@ def chat_command(given: dict[str, Any], argv: list[str]) -> int:
     s = ChatSettings(**given)
     model, tokenizer, name = load_any(s, "sft-0")
     require_chat(tokenizer, name)
-    print(f"chatting with {name} (context {model.config.context_length} tokens); "
-          "end with Ctrl-D or Ctrl-C")
+    print(f"chatting with {s.checkpoint or name} (context {model.config.context_length} "
+          "tokens; the oldest turns are dropped when the conversation outgrows it); end with "
+          "Ctrl-D or Ctrl-C")
     chat_loop(model, tokenizer, sys.stdin, sys.stdout, max_new_tokens=s.max_new_tokens)
     return 0
 

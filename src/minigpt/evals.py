@@ -1,5 +1,6 @@
 """Benchmarks beyond the loss: a multiple-choice test made from held-out text, count
-baselines, exact match per task family, bits per character, and one table of them all.
+baselines, exact match per task family and by turn of a conversation, bits per character,
+and one table of them all.
 
 The multiple-choice test is HellaSwag's idea at the book's scale: a line of a held-out
 speech and the first half of the next line are the context, and the second half must be
@@ -10,6 +11,12 @@ by that sum divided by the ending's number of characters (which removes the pref
 for short endings). Chance is 25 %. A unigram
 and a bigram count model of the training text (`CountModel`) are scored the same way: a
 model that does not beat them has learnt little beyond letter frequencies.
+
+`exact_match_by_turn` asks the held-out tasks' questions several to a conversation, one
+after another as `python -m minigpt chat` does, and scores each answer by its turn: a model
+fine-tuned on one-question conversations, as the book's are, is scored by `exact_match` on
+the first turn only, and a conversation's later turns are read in a context that holds the
+earlier ones, or what is left of them.
 
 `benchmark_table` runs everything on a list of named models.
 """
@@ -26,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from minigpt.chat import Turn, answer_turn, fit_context
 from minigpt.data import split_text
 from minigpt.decoding import eval_mode
 from minigpt.dpo import sequence_logprobs
@@ -180,6 +188,71 @@ def multiple_choice(score: Scorer, items: Sequence[Choice]) -> dict[str, float]:
         right["summed"] += int(np.argmax(ll)) == choice.label
         right["per_char"] += int(np.argmax(per_char)) == choice.label
     return {name: n / len(items) for name, n in right.items()}
+
+
+# ------------------------------------------------------------ exact match turn by turn
+
+@dataclass(frozen=True)
+class TurnMatch:
+    """Exact match by turn (`exact_match_by_turn`); entry k of each tuple is about the
+    conversations' (k + 1)-th question.
+
+    Attributes:
+        by_turn: the fraction answered exactly right, asked in the conversation.
+        single_turn: the fraction of the same questions answered exactly right, each asked
+            alone (`minigpt.tasks.exact_match`).
+        dropped: the mean number of earlier turns (questions and answers) that no longer
+            fit the context when the question was asked (`minigpt.chat.fit_context`).
+        conversations: every conversation whole, question, answer, question, ...
+    """
+
+    by_turn: tuple[float, ...]
+    single_turn: tuple[float, ...]
+    dropped: tuple[float, ...]
+    conversations: tuple[tuple[Turn, ...], ...]
+
+
+def exact_match_by_turn(model: GPT, tokenizer: Tokenizer, tasks: Sequence[Task], *,
+                        n_turns: int = 4, seed: int = 0, max_new_tokens: int = 32,
+                        ) -> TurnMatch:
+    """Exact match at turn 1, 2, ..., ``n_turns`` of conversations made of ``tasks``.
+
+    The tasks are shuffled with ``seed`` and cut into ``len(tasks) // n_turns``
+    conversations of ``n_turns`` questions (the few left over are not asked). Each question
+    is asked as the chat command asks it (`minigpt.chat.chat_loop`): after the conversation
+    so far, less its oldest turns if it has outgrown the context (`fit_context`), answered
+    greedily in at most ``max_new_tokens`` tokens (`answer_turn`). Turn 1 is a question
+    asked alone; its score is the single-turn one, but for an answer holding a chat token
+    before its end, which the chat command cuts off.
+    """
+    if isinstance(n_turns, bool) or not isinstance(n_turns, int) or n_turns < 1:
+        raise ValueError(f"n_turns must be an int >= 1, got {n_turns!r}")
+    if len(tasks) < n_turns:
+        raise ValueError(f"a conversation of {n_turns} turns needs at least {n_turns} tasks, "
+                         f"got {len(tasks)}")
+    shuffled = random.Random(seed).sample(list(tasks), len(tasks))
+    groups = [shuffled[k:k + n_turns] for k in range(0, len(shuffled) - n_turns + 1, n_turns)]
+    T = model.config.context_length
+    right = np.zeros((len(groups), n_turns))
+    alone = np.zeros((len(groups), n_turns))
+    dropped = np.zeros((len(groups), n_turns))
+    conversations = []
+    for c, group in enumerate(groups):
+        turns: list[Turn] = []  # what the chat keeps: the conversation, less what was dropped
+        whole: list[Turn] = []
+        for k, task in enumerate(group):
+            question = Turn("user", task.question)
+            kept = fit_context([*turns, question], tokenizer, T)
+            answer = answer_turn(model, tokenizer, kept, max_new_tokens=max_new_tokens)
+            turns = [*kept, answer]
+            whole += [question, answer]
+            dropped[c, k] = 2 * k + 1 - len(kept)
+            right[c, k] = answer.text == task.answer
+            alone[c, k] = exact_match(model, tokenizer, [task],
+                                      max_new_tokens=max_new_tokens)[task.family]
+        conversations.append(tuple(whole))
+    return TurnMatch(tuple(right.mean(0).tolist()), tuple(alone.mean(0).tolist()),
+                     tuple(dropped.mean(0).tolist()), tuple(conversations))
 
 
 # --------------------------------------------------------------------------- the table
