@@ -464,6 +464,29 @@ def test_a_step_measures_and_moves_the_policy() -> None:
     assert loss.item() == pytest.approx(stats.loss, abs=1e-6)
 
 
+def test_without_a_reference_the_loss_reads_its_own_logprobs_as_the_samplers() -> None:
+    """One step a batch: the sampler is the policy being trained, so the batch carries no
+    log-probabilities of its own (a forward pass saved) and the loss and its gradient are
+    those computed with the sampler's log-probabilities written out."""
+    model, tok = peaked_model()
+    ts = reachable(model, tok, 8, SETTINGS.max_new_tokens)
+    on_policy = GRPOSettings(group_size=4, max_new_tokens=3)
+    batch, _ = grpo_batch(model, tok, ts, on_policy, generator=torch.Generator().manual_seed(0))
+    assert batch.old_logp is None and batch.ref_logp is None
+    model.eval()
+    with torch.no_grad():
+        written = batch._replace(old_logp=token_logprobs(model, batch.x, batch.y, batch.mask))
+    grads = []
+    for b in (batch, written):
+        model.zero_grad()
+        loss = rollout_loss(model, b, settings=on_policy)
+        loss.backward()
+        grads.append((loss.item(), [p.grad.clone() for p in model.parameters()]))
+    assert grads[0][0] == grads[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(grads[0][1], grads[1][1], strict=True))
+    assert any(g.abs().sum() > 0 for g in grads[0][1])
+
+
 def expected_reward(model: GPT, tok: CharTokenizer, ts: list[Task]) -> float:
     """The exact mean reward of sampled answers to `reachable` tasks: their right answers
     are 3 tokens with no end token, so an answer is right with probability pi(those 3)."""

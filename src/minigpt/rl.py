@@ -341,13 +341,17 @@ class RolloutBatch(NamedTuple):
     """N scored answers, as `rollout_loss` reads them: inputs ``x``, targets ``y`` and the
     answers' ``mask`` (N, L), ``advantages`` (N,), the log-probabilities of the targets
     under the policy that sampled them, ``old_logp`` (N, L), and under the reference,
-    ``ref_logp`` (N, L) (None without one)."""
+    ``ref_logp`` (N, L) (both None without a reference).
+
+    Without ``old_logp`` the loss reads the policy's own log-probabilities, detached, as
+    the sampler's: right for one optimiser step a batch, where the policy that is trained
+    is the one that sampled (the ratio is exactly 1), and one forward pass cheaper."""
 
     x: Tensor
     y: Tensor
     mask: Tensor
     advantages: Tensor
-    old_logp: Tensor
+    old_logp: Tensor | None
     ref_logp: Tensor | None
 
 
@@ -367,19 +371,19 @@ def grpo_batch(policy: GPT, tokenizer: Tokenizer, tasks: Sequence[Task],
     rewards = rewards.to(out.ids.device)
     advantages = group_advantages(rewards, scale=settings.scale).flatten()
     x, y, mask = out.ids[:, :-1], out.ids[:, 1:], out.mask[:, 1:]
-    with torch.no_grad(), eval_mode(policy):
-        old_logp = token_logprobs(policy, x, y, mask)
-        ref_logp = None
-        if reference is not None:
-            with eval_mode(reference):
-                ref_logp = token_logprobs(reference, x, y, mask)
+    old_logp = ref_logp = None
+    if reference is not None:  # the KL to it needs both the sampler's and its own
+        with torch.no_grad(), eval_mode(policy), eval_mode(reference):
+            old_logp = token_logprobs(policy, x, y, mask)
+            ref_logp = token_logprobs(reference, x, y, mask)
     return RolloutBatch(x, y, mask, advantages, old_logp, ref_logp), rewards
 
 
 def rollout_loss(model: nn.Module, batch: RolloutBatch, *, settings: GRPOSettings) -> Tensor:
     """`grpo_loss` of a `RolloutBatch` under ``model`` (a `minigpt.losses.LossFn`)."""
     logp = token_logprobs(model, batch.x, batch.y, batch.mask)
-    return grpo_loss(logp, batch.old_logp, batch.advantages, batch.mask, clip=settings.clip,
+    old_logp = logp.detach() if batch.old_logp is None else batch.old_logp
+    return grpo_loss(logp, old_logp, batch.advantages, batch.mask, clip=settings.clip,
                      ref_logp=batch.ref_logp, kl_coef=settings.kl_coef, kl=settings.kl,
                      length_norm=settings.length_norm, max_tokens=settings.max_new_tokens)
 
@@ -440,7 +444,7 @@ def grpo_step(policy: GPT, optimizer: Optimizer, tokenizer: Tokenizer, tasks: Se
                             cast("list[Batch]", [batch]), grad_clip=settings.grad_clip,
                             loss_fn=partial(rollout_loss, settings=settings))
     kl = torch.zeros((), device=rewards.device)
-    if batch.ref_logp is not None:
+    if batch.old_logp is not None and batch.ref_logp is not None:
         per_token = kl_estimate(batch.old_logp, batch.ref_logp, settings.kl)
         kl = torch.where(batch.mask, per_token, 0.0).sum(dim=1).mean()
     measured = torch.stack([rewards.mean(), zero_signal_groups(rewards).float().mean(),
