@@ -9,6 +9,10 @@ import pytest
 import torch
 from hypothesis import settings
 
+from minigpt.bpe import train_bpe
+from minigpt.data import shakespeare_text
+from minigpt.tokenizer import BPETokenizer
+
 # Property tests: a quick look by default (the edit-test loop), a thorough search under
 # `make test` and in CI. HYPOTHESIS_PROFILE=thorough (or CI=true) selects the second.
 settings.register_profile("quick", max_examples=20, deadline=None)
@@ -40,3 +44,15 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def macbeth() -> str:
+    """One play's text: what the tokenizer tests train and encode."""
+    return shakespeare_text(["macbeth"])
+
+
+@pytest.fixture(scope="session")
+def bpe(macbeth: str) -> BPETokenizer:
+    """A byte-level BPE of 512 tokens learned on `macbeth`."""
+    return train_bpe(macbeth, 512)

@@ -8,7 +8,6 @@ import pytest
 import regex
 
 from minigpt.bpe import get_tokenizer, train_bpe
-from minigpt.data import shakespeare_text
 from minigpt.tokenizer import (
     ENDOFTEXT,
     GPT2_PAT_STR,
@@ -18,17 +17,6 @@ from minigpt.tokenizer import (
     Tokenizer,
     gpt2_encoding,
 )
-
-
-@pytest.fixture(scope="module")
-def macbeth() -> str:
-    return shakespeare_text(["macbeth"])
-
-
-@pytest.fixture(scope="module")
-def bpe(macbeth: str) -> BPETokenizer:
-    return train_bpe(macbeth, 512)
-
 
 # ------------------------------------------------------------------------ learning merges
 

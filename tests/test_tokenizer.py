@@ -30,16 +30,6 @@ from minigpt.tokenizer import (
 
 
 @pytest.fixture(scope="module")
-def macbeth() -> str:
-    return shakespeare_text(["macbeth"])
-
-
-@pytest.fixture(scope="module")
-def bpe(macbeth: str) -> BPETokenizer:
-    return train_bpe(macbeth, 512)
-
-
-@pytest.fixture(scope="module")
 def big_bpe(macbeth: str) -> BPETokenizer:
     return train_bpe(macbeth, 4096)  # deep merge chains: where a mismatch would hide
 
