@@ -19,7 +19,8 @@ import os
 import re
 import sys
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
@@ -428,17 +429,13 @@ def sft_command(given: dict[str, Any], argv: list[str]) -> int:
     if CHAT_TOKENS[0] in tokenizer.special_tokens:
         raise ValueError(f"{name} already has the chat tokens; sft starts from a base model")
     tasks = _tasks(s)
-    torch.set_num_threads(1)  # as set-up trains the cached assistants: the same weights
-    ctx = parallel.init_distributed(s.device)  # the process group, if torchrun started us
-    try:
+    with _processes(s.device) as ctx:
         result, chat = finetune(base, tokenizer, tasks.train, tasks.test,  # type: ignore[arg-type]
                                 _config(SFT_TRAINING, s), out_dir=s.out,
                                 progress=not s.quiet, ctx=ctx)
         if ctx.is_main:
             _write(s.out, result.metrics | {"exact_match": exact_match(
                 result.model, chat, tasks.test)})
-    finally:
-        parallel.shutdown(ctx)
     return 0
 
 
@@ -447,17 +444,13 @@ def dpo_command(given: dict[str, Any], argv: list[str]) -> int:
     policy, tokenizer, name = load_any(s, "sft-0")
     require_chat(tokenizer, name)
     tasks = _tasks(s)
-    torch.set_num_threads(1)  # as set-up trains the cached assistants: the same weights
-    ctx = parallel.init_distributed(s.device)  # the process group, if torchrun started us
-    try:
+    with _processes(s.device) as ctx:
         result, _ = train_dpo(policy, tokenizer, make_pairs(tasks.train, seed=0),
                               make_pairs(tasks.test, seed=1), _config(DPO_TRAINING, s),
                               beta=s.beta, out_dir=s.out, progress=not s.quiet, ctx=ctx)
         if ctx.is_main:
             _write(s.out, result.metrics | {"beta": s.beta, "exact_match": exact_match(
                 result.model, tokenizer, tasks.test)})
-    finally:
-        parallel.shutdown(ctx)
     return 0
 
 
@@ -514,6 +507,18 @@ def _config(recipe: dict[str, Any], s: SftSettings) -> TrainConfig:
     return TrainConfig(**(recipe | dict(
         max_steps=s.steps, lr=s.lr, min_lr=s.lr / 10, seed=s.seed, device=s.device,
         warmup_steps=min(recipe["warmup_steps"], s.steps))))
+
+
+@contextmanager
+def _processes(device: str) -> Iterator[parallel.DistContext]:
+    """This process's place in the run (a process group if torchrun started it), on one
+    thread as set-up trains the cached assistants (the same weights); shut down after."""
+    torch.set_num_threads(1)
+    ctx = parallel.init_distributed(device)
+    try:
+        yield ctx
+    finally:
+        parallel.shutdown(ctx)
 
 
 def _write(out: Path, metrics: dict[str, Any]) -> None:
