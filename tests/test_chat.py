@@ -20,6 +20,7 @@ from minigpt.chat import (
     chat_loop,
     decode_conversation,
     encode_conversation,
+    extend_context,
     extend_vocabulary,
     fit_context,
     greedy_replies,
@@ -150,6 +151,27 @@ def test_extending_the_vocabulary_errors() -> None:
         extend_vocabulary(model, 9)
     with pytest.raises(ValueError, match="the tokenizer has 3 tokens and the model 10"):
         add_chat_tokens(model, CharTokenizer.from_text("abc"))
+
+
+@pytest.mark.parametrize("positional", ["rope", "sinusoidal"])
+def test_extending_the_context_keeps_every_weight_and_logit(positional: str) -> None:
+    torch.manual_seed(0)
+    old = GPT(GPTConfig.debug(vocab_size=10, context_length=8, positional=positional)).eval()
+    new = extend_context(old, 20)
+    assert new.config.context_length == 20 and not new.training
+    assert all(torch.equal(new.state_dict()[k], v) for k, v in old.state_dict().items())
+    ids = torch.randint(0, 10, (2, 8))
+    torch.testing.assert_close(new(ids), old(ids), rtol=0, atol=0)
+    assert new(torch.randint(0, 10, (1, 20))).shape == (1, 20, 10)
+
+
+def test_extending_the_context_errors() -> None:
+    learned = GPT(GPTConfig.debug(vocab_size=10, context_length=8))
+    with pytest.raises(ValueError, match="learned positions has weights for its 8 positions"):
+        extend_context(learned, 16)
+    rope = GPT(GPTConfig.debug(vocab_size=10, context_length=8, positional="rope"))
+    with pytest.raises(ValueError, match=r"an int >= the model's 8 \(a context only grows"):
+        extend_context(rope, 4)
 
 
 def test_add_chat_tokens_and_reply() -> None:

@@ -578,7 +578,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                     n_layers=1), TrainConfig(max_steps=2, warmup_steps=1, batch_size=2),
           ids, ids, tokenizer=tok, out_dir=root / "base", progress=False)
     assert main(["sft", "--checkpoint", str(root / "base"), "--text", str(text),
-                 "--out", str(root / "sft"), *TUNE]) == 0
+                 "--out", str(root / "sft"), "--context-length", "64", "--max-turns", "2",
+                 *TUNE]) == 0
     assert main(["dpo", "--checkpoint", str(root / "sft"), "--text", str(text),
                  "--out", str(root / "dpo"), *TUNE]) == 0
     return {"text": text, "base": root / "base", "sft": root / "sft", "dpo": root / "dpo"}
@@ -625,7 +626,11 @@ def test_eval_prints_the_table(runs: dict[str, Path], capsys: pytest.CaptureFixt
                                             "<|assistant|>, <|end|> missing): it is a base model"),
     (["dpo", "--checkpoint", "{base}", "--out", "{tmp}"], 1, "base has no chat tokens"),
     (["sft", "--checkpoint", "{sft}", "--out", "{tmp}"], 1, "sft already has the chat tokens"),
-    (["sft", "--checkpoint", "{base}", "--out", "{tmp}", "--text", "{empty}"], 1,
+    (["sft", "--checkpoint", "{base}", "--out", "{tmp}"], 1, "base has learned positions, "
+     "weights for exactly 64 of them: pass --context-length 64, or start from a model with "
+     "rotary positions"),
+    (["sft", "--checkpoint", "{base}", "--out", "{tmp}", "--text", "{empty}",
+      "--context-length", "64"], 1,
      "only 0 first_word tasks can be made from 0 lines"),
     (["eval", "--checkpoint", "{tmp}"], 1, "no checkpoint at"),
     (["sft", "--checkpoint", "{base}", "--out", "{tmp}", "--n-train", "0"], 2,
@@ -709,7 +714,8 @@ def test_the_device_reaches_the_model_and_the_training(
     monkeypatch.setattr(minigpt.cli, "benchmark_table", lambda *args, **kwargs: [])
     monkeypatch.setattr(sys, "stdin", io.StringIO(""))
     start = runs["base"] if command == "sft" else runs["sft"]
-    extra = {"sft": ["--out", str(tmp_path), *TUNE], "dpo": ["--out", str(tmp_path), *TUNE],
+    extra = {"sft": ["--out", str(tmp_path), "--context-length", "64", *TUNE],
+             "dpo": ["--out", str(tmp_path), *TUNE],
              "eval": ["--text", str(runs["text"]), "--n-train", "4", "--n-test", "2"],
              "chat": []}[command]
     main([command, "--checkpoint", str(start), "--device", "cuda:1", *extra])
@@ -726,7 +732,8 @@ def test_under_torchrun_two_processes_train_and_rank_zero_writes(
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
          "-m", "minigpt", command, "--checkpoint", str(start), "--text", str(runs["text"]),
-         "--out", str(out), *TUNE], capture_output=True, text=True, timeout=300,
+         "--out", str(out), *TUNE, *(["--context-length", "64"] if command == "sft" else [])],
+        capture_output=True, text=True, timeout=300,
         env=os.environ | {"OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("wrote ") == 1  # rank 0 alone

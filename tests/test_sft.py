@@ -20,8 +20,8 @@ from minigpt.chat import decode_conversation
 from minigpt.config import TrainConfig
 from minigpt.data import ExampleSet
 from minigpt.losses import estimate_loss, lm_loss, masked_lm_loss
-from minigpt.sft import encode_tasks, finetune
-from minigpt.tasks import Task
+from minigpt.sft import encode_conversations, encode_tasks, finetune
+from minigpt.tasks import Task, conversations
 from minigpt.tokenizer import CharTokenizer, with_special_tokens
 from minigpt.train import train, train_step
 
@@ -210,6 +210,53 @@ def test_finetune_gives_the_model_the_chat_tokens_and_leaves_the_base_alone() ->
     result, chat = finetune(base, tok, tasks, tasks, run_config(max_steps=3), progress=False)
     assert chat.vocab_size == result.model.config.vocab_size == tok.vocab_size + 3
     assert all(torch.equal(before[k], v) for k, v in base.state_dict().items())
+
+
+def test_conversations_ask_every_task_once_in_groups_of_up_to_max_turns() -> None:
+    tasks = [Task("reverse", f"reverse: {w}", w[::-1], w) for w in map(str, range(100))]
+    groups = conversations(tasks, 4, seed=3)
+    assert groups == conversations(tasks, 4, seed=3) != conversations(tasks, 4, seed=4)
+    assert {len(g) // 2 for g in groups} == {1, 2, 3, 4}
+    asked = [turn.text for g in groups for turn in g[::2]]
+    assert sorted(asked) == sorted(t.question for t in tasks)
+    assert all(g[k + 1].text == g[k].text[9:][::-1] for g in groups for k in range(0, len(g), 2))
+    assert len(conversations(tasks, 1)) == 100
+    with pytest.raises(ValueError, match="max_turns must be an int >= 1, got 0"):
+        conversations(tasks, 0)
+
+
+def test_a_conversation_too_long_for_the_context_loses_its_oldest_exchanges() -> None:
+    tok = with_special_tokens(CharTokenizer.from_text("abcdefghijklmnopqrstuvwxyz :"))
+    tasks = [Task("reverse", f"reverse: {w}", w[::-1], w) for w in ("abc", "hello", "dog")]
+    turns = [turn for t in tasks for turn in t.conversation()]  # exchanges of 19, 23, 19 ids
+    assert len(encode_conversations([turns], tok, 60).sequences[0]) == 61  # T + 1 fit
+    kept = encode_conversations([turns], tok, 59).sequences[0]  # 61 > 60: the first goes
+    assert decode_conversation(kept.tolist(), tok) == turns[2:]
+    assert decode_conversation(encode_conversations([turns], tok, 30).sequences[0].tolist(),
+                               tok) == turns[4:]
+    with pytest.raises(ValueError, match="conversation 0's last exchange alone is 19 tokens"):
+        encode_conversations([turns], tok, 10)
+
+
+def test_finetune_on_conversations_with_a_longer_context(monkeypatch) -> None:
+    tok = CharTokenizer.from_text("abcdefghijklmnopqrstuvwxyz :")
+    torch.manual_seed(0)
+    base = GPT(GPTConfig(vocab_size=tok.vocab_size, context_length=24, d_model=16,
+                         n_heads=2, n_layers=1, positional="rope"))
+    words = ("abc", "hello", "dog", "cat", "bird", "fish", "ant", "bee")
+    tasks = [Task("reverse", f"reverse: {w}", w[::-1], w) for w in words]
+    result, chat = finetune(base, tok, tasks, tasks, run_config(max_steps=2), max_turns=3,
+                            context_length=72, progress=False)
+    assert result.model.config.context_length == 72 and base.config.context_length == 24
+    seen = {}
+    monkeypatch.setattr(sft, "train", lambda model, config, data, val, **_: seen.update(
+        data=data))
+    finetune(base, tok, tasks, tasks, run_config(max_steps=2), max_turns=3, context_length=72)
+    assert len(seen["data"]) < len(tasks)  # some conversations hold several questions
+    learned = GPT(GPTConfig(vocab_size=tok.vocab_size, context_length=24, d_model=16,
+                            n_heads=2, n_layers=1))
+    with pytest.raises(ValueError, match="learned positions"):
+        finetune(learned, tok, tasks, tasks, run_config(max_steps=2), context_length=72)
 
 
 def test_replayed_text_is_trained_on_with_every_target_counted(monkeypatch) -> None:

@@ -11,7 +11,8 @@ turn::
 says (its texts and their end tokens: what supervised fine-tuning trains on). Anything that
 is not a conversation is refused with a `ChatFormatError` saying where and why.
 `add_chat_tokens` gives a pretrained model and its tokenizer the three new tokens, keeping
-every old weight, and `reply` lets the model answer. `chat_loop` holds a conversation with
+every old weight, `extend_context` lets a model without positional weights read a longer
+context, and `reply` lets the model answer. `chat_loop` holds a conversation with
 it over a terminal's input and output (`python -m minigpt chat`): the model answers each
 message (`answer_turn`), and a conversation longer than the context keeps its latest turns
 (`fit_context`).
@@ -221,6 +222,35 @@ def extend_vocabulary(model: GPT, vocab_size: int) -> GPT:
         rows = state[name]
         state[name] = torch.cat([rows, rows.mean(0, keepdim=True).expand(vocab_size - old, -1)])
     new.load_state_dict(state)
+    return new.train(model.training)
+
+
+@torch.no_grad()
+def extend_context(model: GPT, context_length: int) -> GPT:
+    """A copy of ``model`` that reads up to ``context_length`` tokens, every weight kept.
+
+    Only a model whose positions have no weights can: rotary positions and the sinusoidal
+    encoding are functions of the position, computed for any length, while GPT-2's learned
+    positions have a row of weights per position and none beyond the context it was
+    trained with. The copy computes the old model's logits on any input the old one reads;
+    how well it uses the positions it never trained on is for fine-tuning to teach.
+    """
+    if not isinstance(model, GPT):
+        raise TypeError(f"extend_context needs a minigpt.GPT, got {type(model).__name__}")
+    old = model.config.context_length
+    if isinstance(context_length, bool) or not isinstance(context_length, int) or (
+            context_length < old):
+        raise ValueError(f"context_length must be an int >= the model's {old} (a context "
+                         f"only grows), got {context_length!r}")
+    if model.config.positional == "learned" and context_length > old:
+        raise ValueError(f"a model with learned positions has weights for its {old} "
+                         f"positions only and cannot read {context_length}; rotary "
+                         "('rope') or sinusoidal positions can")
+    param = next(model.parameters())
+    with torch.random.fork_rng(devices=[]):  # the new model's random start is overwritten
+        new = GPT(model.config.model_copy(update={"context_length": context_length}))
+    new.to(device=param.device, dtype=param.dtype)
+    new.load_state_dict(model.state_dict())
     return new.train(model.training)
 
 

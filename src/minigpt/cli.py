@@ -251,7 +251,7 @@ class ModelSettings(BaseModel):
 
     checkpoint: Path | None = Field(None, description="a run's folder (its checkpoint.pt)")
     model: ModelName | None = Field(None, description=f"a cached model ({_NAMES}; default: "
-                                    "book for sft, sft-0 otherwise)")
+                                    "modern for sft, sft-0 otherwise)")
     device: Device = Field("cpu", description="where the model runs: cpu, cuda, cuda:1, ...")
 
 
@@ -273,8 +273,9 @@ class EvalSettings(TaskSettings):
     items: int = Field(1000, ge=1, description="multiple-choice items")
 
 
-class SftSettings(TaskSettings):
-    """Fine-tuning: `minigpt.sft.SFT_TRAINING` with these steps, rate and seed."""
+class TuningSettings(TaskSettings):
+    """A tuning run: where it writes, its steps, rate and seed (the defaults: fine-tuning's,
+    `minigpt.sft.SFT_TRAINING`)."""
 
     out: Path = Field(description="folder for checkpoint.pt and metrics.json")
     steps: int = Field(SFT_TRAINING["max_steps"], ge=1, description="optimiser steps")
@@ -284,7 +285,19 @@ class SftSettings(TaskSettings):
     quiet: bool = Field(False, description="no progress bar")
 
 
-class DpoSettings(SftSettings):
+class SftSettings(TuningSettings):
+    """Fine-tuning: `minigpt.sft.SFT_TRAINING` with these steps, rate and seed, on
+    conversations of up to ``max_turns`` questions, the fine-tuned model reading
+    ``context_length`` tokens."""
+
+    max_turns: int = Field(ASSISTANT_RECIPE.max_turns, ge=1, description="questions a "
+                           "training conversation holds, at most")
+    context_length: int = Field(ASSISTANT_RECIPE.context_length, ge=2, description=(
+        "the context the fine-tuned model reads (a model with rotary or sinusoidal "
+        "positions can read more than it was trained on)"))
+
+
+class DpoSettings(TuningSettings):
     """Preference tuning: `minigpt.dpo.DPO_TRAINING` with these steps, rate and seed."""
 
     steps: int = Field(DPO_TRAINING["max_steps"], ge=1, description="optimiser steps")
@@ -425,13 +438,19 @@ def pretrained_command(given: dict[str, Any], argv: list[str]) -> int:
 
 def sft_command(given: dict[str, Any], argv: list[str]) -> int:
     s = SftSettings(**given)
-    base, tokenizer, name = load_any(s, "book")
+    base, tokenizer, name = load_any(s, "modern")
     if CHAT_TOKENS[0] in tokenizer.special_tokens:
         raise ValueError(f"{name} already has the chat tokens; sft starts from a base model")
+    T = base.config.context_length
+    if s.context_length != T and base.config.positional == "learned":
+        raise ValueError(f"{name} has learned positions, weights for exactly {T} of them: "
+                         f"pass --context-length {T}, or start from a model with rotary "
+                         "positions (--model modern) to read a longer context")
     tasks = _tasks(s)
     with _processes(s.device) as ctx:
         result, chat = finetune(base, tokenizer, tasks.train, tasks.test,  # type: ignore[arg-type]
-                                _config(SFT_TRAINING, s), out_dir=s.out,
+                                _config(SFT_TRAINING, s), max_turns=s.max_turns,
+                                context_length=s.context_length, out_dir=s.out,
                                 progress=not s.quiet, ctx=ctx)
         if ctx.is_main:
             _write(s.out, result.metrics | {"exact_match": exact_match(
@@ -501,7 +520,7 @@ def _tasks(s: TaskSettings) -> TaskSplit:
     return make_tasks(_text(s), s.n_train, s.n_test, seed=s.task_seed)
 
 
-def _config(recipe: dict[str, Any], s: SftSettings) -> TrainConfig:
+def _config(recipe: dict[str, Any], s: TuningSettings) -> TrainConfig:
     """The recipe with the command's steps, rate (a tenth of it the floor), seed and
     device; a run shorter than the warm-up warms up over the whole run."""
     return TrainConfig(**(recipe | dict(

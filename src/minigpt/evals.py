@@ -13,10 +13,9 @@ and a bigram count model of the training text (`CountModel`) are scored the same
 model that does not beat them has learnt little beyond letter frequencies.
 
 `exact_match_by_turn` asks the held-out tasks' questions several to a conversation, one
-after another as `python -m minigpt chat` does, and scores each answer by its turn: a model
-fine-tuned on one-question conversations, as the book's are, is scored by `exact_match` on
-the first turn only, and a conversation's later turns are read in a context that holds the
-earlier ones, or what is left of them.
+after another as `python -m minigpt chat` does, and scores each answer by its turn, beside
+the same questions asked alone: a conversation's later turns are read in a context that
+holds the earlier ones, or what is left of them, which `exact_match` never shows a model.
 
 `benchmark_table` runs everything on a list of named models.
 """
@@ -33,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from minigpt.chat import Turn, answer_turn, fit_context
+from minigpt.chat import Turn, answer_turn, fit_context, greedy_replies, prompt_ids
 from minigpt.data import split_text
 from minigpt.decoding import eval_mode
 from minigpt.dpo import sequence_logprobs
@@ -237,6 +236,10 @@ def exact_match_by_turn(model: GPT, tokenizer: Tokenizer, tasks: Sequence[Task],
     alone = np.zeros((len(groups), n_turns))
     dropped = np.zeros((len(groups), n_turns))
     conversations = []
+    # Asked alone: all at once, as `exact_match` asks them (prompts of a length together).
+    singles = greedy_replies(model, tokenizer, [prompt_ids([Turn("user", t.question)],
+                                                           tokenizer) for t in shuffled],
+                             max_new_tokens=max_new_tokens)
     for c, group in enumerate(groups):
         turns: list[Turn] = []  # what the chat keeps: the conversation, less what was dropped
         whole: list[Turn] = []
@@ -248,8 +251,7 @@ def exact_match_by_turn(model: GPT, tokenizer: Tokenizer, tasks: Sequence[Task],
             whole += [question, answer]
             dropped[c, k] = 2 * k + 1 - len(kept)
             right[c, k] = answer.text == task.answer
-            alone[c, k] = exact_match(model, tokenizer, [task],
-                                      max_new_tokens=max_new_tokens)[task.family]
+            alone[c, k] = singles[c * n_turns + k] == task.answer
         conversations.append(tuple(whole))
     return TurnMatch(tuple(right.mean(0).tolist()), tuple(alone.mean(0).tolist()),
                      tuple(dropped.mean(0).tolist()), tuple(conversations))

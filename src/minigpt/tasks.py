@@ -9,8 +9,9 @@ one time in a hundred, and that family was dropped.)
 
 `make_tasks` draws them, deterministically given a seed, into a training split and a
 held-out split that share no source line, and no word that a word task asks about
-(`check_split` asserts it). `exact_match` scores a model on them: greedy answers, compared
-with the right ones, per task family.
+(`check_split` asserts it); `conversations` groups tasks into conversations of several
+unrelated questions, which fine-tuning reads. `exact_match` scores a model on them: greedy
+answers, compared with the right ones, per task family.
 """
 
 from __future__ import annotations
@@ -44,6 +45,28 @@ class Task:
     def conversation(self) -> list[Turn]:
         """The task as a conversation: the question, then the answer."""
         return [Turn("user", self.question), Turn("assistant", self.answer)]
+
+
+def conversations(tasks: Sequence[Task], max_turns: int, *, seed: int = 0,
+                  ) -> list[list[Turn]]:
+    """``tasks`` asked in conversations of 1 to ``max_turns`` questions each: shuffled with
+    ``seed`` and cut into consecutive groups whose sizes are drawn uniformly from 1 to
+    ``max_turns``; every task is asked once, and a conversation's questions are unrelated,
+    so that each answer depends on its own question only, however many turns precede it."""
+    if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
+        raise ValueError(f"max_turns must be an int >= 1, got {max_turns!r}")
+    if not tasks:
+        raise ValueError("conversations needs at least one task")
+    rng = random.Random(seed)
+    shuffled = rng.sample(list(tasks), len(tasks))
+    groups: list[list[Turn]] = []
+    start = 0
+    while start < len(shuffled):
+        size = rng.randint(1, max_turns)
+        groups.append([turn for task in shuffled[start:start + size]
+                       for turn in task.conversation()])
+        start += size
+    return groups
 
 
 # A family maps (line, its words, the word chosen for a word task) to (question, answer).
