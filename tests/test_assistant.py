@@ -39,10 +39,11 @@ def play() -> str:
 
 
 TINY_BASE = Recipe(n_layers=1, n_heads=2, d_model=16, context_length=64,
+                   layout=dict(positional="rope"),
                    training=TrainConfig(batch_size=4, max_steps=10, warmup_steps=2,
                                         eval_interval=5, eval_steps=2, seed=0))
 TINY = AssistantRecipe(
-    base=TINY_BASE, n_train=20, n_test=5,
+    base=TINY_BASE, n_train=20, n_test=5, context_length=128, max_turns=2,
     sft=TrainConfig(batch_size=8, max_steps=6, warmup_steps=2, eval_interval=3, eval_steps=1,
                     weight_decay=0.0, seed=0),
     dpo=TrainConfig(batch_size=4, max_steps=4, warmup_steps=1, lr=1e-4, min_lr=1e-5,
@@ -67,6 +68,8 @@ def test_sft_models_are_cached_one_per_seed() -> None:
     assert not info2.built and info2.key == info.key
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
                                                  again.state_dict().values(), strict=True))
+    assert model.config.context_length == 128
+    assert manifest["key_material"]["conversations"] == [128, 2]
     other = sft_model(1, recipe=TINY)[2]
     assert other.key != info.key
     assert isinstance(reply(model, chat, [Turn("user", "upper: moon")], max_new_tokens=3), str)

@@ -1,10 +1,17 @@
-"""The book's assistants: the book model fine-tuned to answer (SFT) and then preference-tuned
-(DPO), each trained once at set-up and cached like the book model (`minigpt.pretrained`).
+"""The book's assistants: the modern recipe's model fine-tuned to answer (SFT) and then
+preference-tuned (DPO), each trained once at set-up and cached like the book model
+(`minigpt.pretrained`).
+
+The base is the modern model (`minigpt.pretrained.MODERN_RECIPE`) because its positions are
+rotary: it has no weights per position, so its fine-tuned copy reads a context of 256
+tokens (`minigpt.chat.extend_context`), four times what it was pre-trained on, which holds a
+conversation of several exchanges. GPT-2's learned positions stop at the 64 it trained on.
 
     model, tokenizer, info = sft_model(seed=1)   # one of SFT_SEEDS
     model, tokenizer, info = dpo_model()         # DPO from sft_model(seed=0)
 
-The fine-tuned models differ only in the training seed (the order of their batches), so
+The fine-tuned models differ only in the training seed (the order of their batches and
+how the tasks are grouped into conversations), so
 that a chapter can report exact match over several seeds with its spread; they all learn
 from the same tasks (`assistant_tasks`) and are scored on the same held-out ones. A model's
 manifest keeps what set-up measured: the run's metrics and, under ``"exact_match"``, its
@@ -44,20 +51,25 @@ class AssistantRecipe:
     """How the assistants are made from the book model.
 
     Attributes:
-        base: the recipe of the model they start from (the book model's).
+        base: the recipe of the model they start from (the modern model's).
+        context_length: the context the fine-tuned models read (`extend_context`).
+        max_turns: fine-tuning's conversations hold 1 to this many questions
+            (`minigpt.tasks.conversations`).
         n_train, n_test: tasks of each family for training and held out (`make_tasks`).
         task_seed: the seed of the tasks and their split.
         sft: fine-tuning's settings (its seed is replaced by each model's).
         replay, replay_chars: windows of the base model's training text, and their length,
             mixed into fine-tuning (`minigpt.sft.finetune`'s ``replay``): without them the
             fine-tuned model forgets how to continue text (the assistant chapter's
-            exercise 5 measures it after 100 steps: 5.8 bits per character on held-out
-            text without them, 3.2 with them, against the base model's 2.7).
+            exercise 5 measures it after 100 steps: 3.6 bits per character on held-out
+            text without them, 2.7 with them, against the base model's 2.3).
         dpo: DPO's settings; beta its KL weight; pair_seed the seed of the near misses.
         threads: torch threads while training (one: the same weights on every run).
     """
 
-    base: pretrained.Recipe = pretrained.BOOK_RECIPE
+    base: pretrained.Recipe = pretrained.MODERN_RECIPE
+    context_length: int = 256
+    max_turns: int = 6
     n_train: int = 2000
     n_test: int = 200
     task_seed: int = 0
@@ -87,6 +99,7 @@ def _material(kind: str, parent: ModelInfo, model_config: dict[str, Any],
             "parent": parent.key, "model_config": model_config, "train_config": config.model_dump(),
             "tasks": [recipe.n_train, recipe.n_test, recipe.task_seed],
             "replay": [recipe.replay, recipe.replay_chars],
+            "conversations": [recipe.context_length, recipe.max_turns],
             "threads": recipe.threads, **pretrained.environment()} | more
 
 
@@ -97,25 +110,28 @@ def _say_training(progress: bool) -> dict[str, Any]:
 
 def sft_model(seed: int = 0, *, progress: bool = False, recipe: AssistantRecipe =
               ASSISTANT_RECIPE) -> tuple[GPT, CharTokenizer, ModelInfo]:
-    """The book model fine-tuned on `assistant_tasks` with training seed ``seed``
+    """The modern model fine-tuned on `assistant_tasks` with training seed ``seed``
     (`minigpt.sft.finetune`), its chat tokenizer, and a `ModelInfo`; cached."""
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be an int >= 0, got {seed!r}")
     base, tokenizer, base_info = pretrained.book_model(progress=progress, recipe=recipe.base)
     chat = with_special_tokens(tokenizer, CHAT_TOKENS)
     config = recipe.sft.model_copy(update={"seed": seed})
-    shape = base.config.model_copy(update={"vocab_size": chat.vocab_size}).model_dump()
+    shape = base.config.model_copy(update={"vocab_size": chat.vocab_size,
+                                           "context_length": recipe.context_length}).model_dump()
 
     def build(say: Any, folder: Path) -> Built:
         tasks = assistant_tasks(recipe)
-        say(f"fine-tuning the book model once (seed {seed}, {config.max_steps} steps); it "
+        say(f"fine-tuning the modern model once (seed {seed}, {config.max_steps} steps); it "
             f"is cached in {folder}")
         seen = split_text(pretrained.corpus(), recipe.base.train_fraction)[0]
         replay = text_windows(seen, recipe.replay, recipe.replay_chars, seed=seed) if (
             recipe.replay) else []
         with pretrained.threads(recipe.threads):
             result, chat = finetune(base, tokenizer, tasks.train, tasks.test, config,
-                                    replay=replay, log=say if progress else None,
+                                    replay=replay, max_turns=recipe.max_turns,
+                                    context_length=recipe.context_length,
+                                    log=say if progress else None,
                                     **_say_training(progress))
             em = exact_match(result.model, chat, tasks.test)
         return result.model, result.metrics | {"exact_match": em}, asdict(result.history)
@@ -157,7 +173,7 @@ def dpo_model(*, beta: float | None = None, progress: bool = False,
 
 
 #: Every model set-up caches, by name (`python -m minigpt pretrained --only NAME`): the
-#: pre-trained ones (`minigpt.pretrained.MODELS`) and the assistants, the book model
+#: pre-trained ones (`minigpt.pretrained.MODELS`) and the assistants, the modern model
 #: fine-tuned with three seeds and preference-tuned with the recipe's beta and, for the
 #: assistant chapter's sweep, two others.
 MODELS: dict[str, pretrained.Loader] = {

@@ -454,8 +454,10 @@ def test_the_assistant_answers_in_its_chat_format(driver: Any, base_url: str) ->
     answer = answer[:answer.index(tokenizer.special_tokens["<|end|>"])]
     written = box.find_element("css selector", ".minigpt-playground-written").text
     assert written == tokenizer.decode(answer) == PROMPTS["sft-0"].removeprefix("upper: ").upper()
-    driver.execute_script(_SET, "div.minigpt-playground textarea", "upper: " + "a" * 60)
+    T = model.config.context_length
+    driver.execute_script(_SET, "div.minigpt-playground textarea", "upper: " + "a" * (T - 3))
     box.find_element("css selector", "button[type=submit]").click()
     assert _wait_state(driver, ("error",), timeout=20) == "error"
     alert = box.find_element("css selector", "[role=alert]").text
-    assert "the question has 67 characters; the assistant reads at most 60" in alert, alert
+    assert (f"the question has {T + 4} characters; the assistant reads at most {T - 4}"
+            in alert), alert
