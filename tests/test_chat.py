@@ -196,6 +196,11 @@ def test_fit_context_drops_the_oldest_turns_and_starts_with_the_user() -> None:
     with pytest.raises(ValueError, match="this message makes a prompt of 6 tokens; the model "
                                          "reads 7, and an answer needs room"):
         fit_context(turns, CHAR, 7)
+    # room for an answer of up to 10 tokens: the prompt keeps at most 90 of 100, 16 of 26
+    assert fit_context(turns, CHAR, 100, room=10) == turns
+    assert fit_context(turns, CHAR, 35, room=10) == turns
+    assert fit_context(turns, CHAR, 34, room=10) == turns[2:]
+    assert fit_context(turns, CHAR, 12, room=10) == turns[4:]  # alone it leaves only 6
 
 
 def test_answer_turn_is_cut_before_any_chat_token(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -209,8 +209,8 @@ def test_turns_are_dropped_when_the_context_is_short() -> None:
     result = exact_match_by_turn(gpt, tok, tasks, n_turns=3, max_new_tokens=8)
     assert result.dropped[0] == 0.0 and min(result.dropped[1:]) > 0.0
     # the turns missing from each prompt: what fit_context drops from the whole conversation
-    missing = np.array([[2 * k + 1 - len(fit_context(c[:2 * k + 1], tok, 48)) for k in range(3)]
-                        for c in result.conversations])
+    missing = np.array([[2 * k + 1 - len(fit_context(c[:2 * k + 1], tok, 48, room=8))
+                         for k in range(3)] for c in result.conversations])
     assert result.dropped == tuple(missing.mean(0).tolist())
 
 

@@ -1,11 +1,11 @@
 """Learning from rewards on a cached assistant: GRPO steps, or a baseline at equal time.
 
-    .venv/bin/python tools/rl_probe.py [--model sft-0] [--families last_word,reverse,upper]
+    .venv/bin/python tools/rl_probe.py [--model sft-0] [--families reverse,first_word,last_word]
         [--steps 100] [--seconds S] [--every 10] [--lr 3e-5] [--group-size 8] [--prompts 16]
         [--temperature 1] [--max-new-tokens 12] [--kl-coef 0] [--scale std]
         [--length-norm sequence] [--seed 0] [--baseline sft|rft] [--json out.json]
 
-From a cached chat model (`minigpt.assistant.MODELS`; by default ``sft-0``, the book model
+From a cached chat model (`minigpt.assistant.MODELS`; by default ``sft-0``, the modern model
 fine-tuned with seed 0), it trains on the training tasks (`assistant_tasks().train`) of
 the chosen families, by default the three the fine-tuned model answers worst. Each step
 draws ``--prompts`` questions (seeded) and takes one `minigpt.rl.grpo_step` on them, with
@@ -55,8 +55,9 @@ from minigpt.tasks import FAMILIES, Task, exact_match
 from minigpt.tokenizer import Tokenizer
 from minigpt.train import train_step
 
-#: The families the fine-tuned assistants answer worst (held-out exact match).
-WEAKEST = ("last_word", "reverse", "upper")
+#: The families the fine-tuned assistants answer worst (held-out exact match, the mean of
+#: the three seeds: 0.917, 0.955 and 0.962).
+WEAKEST = ("reverse", "first_word", "last_word")
 CHAT_MODELS = tuple(name for name in MODELS if name.startswith(("sft", "dpo")))
 PASS_SAMPLES = 8
 

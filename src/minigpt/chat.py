@@ -298,17 +298,20 @@ def greedy_replies(model: GPT, tokenizer: Tokenizer, prompts: Sequence[Sequence[
 
 # ----------------------------------------------------------------------- a conversation
 
-def fit_context(turns: Sequence[Turn], tokenizer: Tokenizer, context_length: int,
-                ) -> list[Turn]:
+def fit_context(turns: Sequence[Turn], tokenizer: Tokenizer, context_length: int, *,
+                room: int = 2) -> list[Turn]:
     """``turns`` without their oldest turns, as few as needed for the prompt
-    (`prompt_ids`) to leave room for an answer in the context, and starting with a user's
-    turn; ValueError if the last message alone does not fit."""
+    (`prompt_ids`) to leave ``room`` tokens for the answer in the context, and starting with
+    a user's turn. The last message is kept alone even when it leaves less room, if it
+    leaves two tokens (a character and the end of the turn); ValueError if not."""
     turns = _check_turns(turns)
     for start in range(len(turns)):
         kept = turns[start:]
-        if kept[0].role == "user" and len(prompt_ids(kept, tokenizer)) < context_length - 1:
+        if kept[0].role == "user" and len(prompt_ids(kept, tokenizer)) + room <= context_length:
             return kept
     n = len(prompt_ids(turns[-1:], tokenizer))
+    if n < context_length - 1:
+        return turns[-1:]
     raise ValueError(f"this message makes a prompt of {n} tokens; the model reads "
                      f"{context_length}, and an answer needs room: write a shorter one")
 
@@ -344,7 +347,8 @@ def chat_loop(model: GPT, tokenizer: Tokenizer, stdin: TextIO, stdout: TextIO, *
         if not line.strip():
             continue
         try:
-            kept = fit_context([*turns, Turn("user", line.rstrip("\n"))], tokenizer, T)
+            kept = fit_context([*turns, Turn("user", line.rstrip("\n"))], tokenizer, T,
+                               room=max_new_tokens)
         except ValueError as err:  # incl. ChatFormatError
             stdout.write(f"(not sent: {err})\n")
             continue

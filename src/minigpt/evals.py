@@ -245,7 +245,7 @@ def exact_match_by_turn(model: GPT, tokenizer: Tokenizer, tasks: Sequence[Task],
         whole: list[Turn] = []
         for k, task in enumerate(group):
             question = Turn("user", task.question)
-            kept = fit_context([*turns, question], tokenizer, T)
+            kept = fit_context([*turns, question], tokenizer, T, room=max_new_tokens)
             answer = answer_turn(model, tokenizer, kept, max_new_tokens=max_new_tokens)
             turns = [*kept, answer]
             whole += [question, answer]
