@@ -373,6 +373,13 @@ NO_SYNC_SCRIPT = textwrap.dedent("""
             counts[f"{'compiled' if compiled else 'eager'} k={k}"] = len(calls)
     with open(sys.argv[1] + f"/rank{ctx.rank}.json", "w") as f:
         json.dump(counts, f)
+    # The wrapper holds the Python hook: release it, and torch.compile's cached graphs of
+    # it, while the interpreter is whole. Left to the interpreter's exit, a rank sometimes
+    # aborted there ("terminate called without an active exception"), its counts written.
+    del trainee, hook
+    torch._dynamo.reset()
+    import gc
+    gc.collect()
     shutdown(ctx)
 """)
 
