@@ -16,7 +16,7 @@ import torch
 
 from minigpt import GPT, GPTConfig
 from minigpt.config import MODERN_LAYOUT
-from minigpt.export import WithAttention, check_onnx, export_onnx, main, prompt_ids
+from minigpt.export import WithCache, check_onnx, empty_cache, export_onnx, main, prompt_ids
 from minigpt.tokenizer import CHAT_TOKENS, CharTokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -49,23 +49,54 @@ def test_the_graph_is_the_model_at_every_length(exported: tuple[GPT, Path],
     model, path = exported
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     ids = torch.randint(0, 11, (1, length), generator=torch.Generator().manual_seed(length))
-    logits, attention = session.run(None, {"ids": ids.numpy()})
+    logits, attention, present = session.run(
+        None, {"ids": ids.numpy(), "past": empty_cache(model).numpy()})
+    cache = model.new_cache()
     with torch.no_grad():
-        expected, maps = model.forward_with_attention(ids)
+        expected, maps = model.forward_with_attention(ids, cache=cache)
     assert logits.shape == (1, length, 11)
     assert attention.shape == (1, 2, 4, length, length)  # (B, L, H, T, T)
+    assert present.shape == (2, 2, 1, 4, length, 8)  # (L, keys and values, B, H_kv, T, d_k)
     assert np.abs(logits - expected.numpy()).max() <= 1e-4
     for layer, weights in enumerate(maps):
         assert np.abs(attention[0, layer] - weights[0].numpy()).max() <= 1e-5
+    for layer, stored in enumerate(cache.layers):  # the package's own cache, as generate fills it
+        assert stored.keys is not None and stored.values is not None
+        assert np.abs(present[layer, 0] - stored.keys[:, :, :length].numpy()).max() <= 1e-5
+        assert np.abs(present[layer, 1] - stored.values[:, :, :length].numpy()).max() <= 1e-5
 
 
-def test_the_length_stays_dynamic(exported: tuple[GPT, Path]) -> None:
+@pytest.mark.parametrize("first", [1, 17, 63])
+def test_the_graph_reads_one_token_after_its_cache(exported: tuple[GPT, Path],
+                                                   first: int) -> None:
+    """After ``first`` tokens read at once, the rest of a full context one at a time, each
+    fed the last call's ``present``: the logits and weights of the whole pass, up to P + T
+    = T_max."""
+    model, path = exported
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    ids = torch.randint(0, 11, (1, 64), generator=torch.Generator().manual_seed(first))
+    with torch.no_grad():
+        expected, maps = model.forward_with_attention(ids)
+    _, _, past = session.run(None, {"ids": ids[:, :first].numpy(),
+                                    "past": empty_cache(model).numpy()})
+    for t in range(first, 64):
+        logits, attention, past = session.run(None, {"ids": ids[:, t:t + 1].numpy(),
+                                                     "past": past})
+        assert past.shape[4] == t + 1 and attention.shape == (1, 2, 4, 1, t + 1)
+        assert np.abs(logits[0, 0] - expected[0, t].numpy()).max() <= 1e-4
+        for layer, weights in enumerate(maps):
+            assert np.abs(attention[0, layer, :, 0] - weights[0, :, t, :t + 1].numpy()
+                          ).max() <= 1e-5
+
+
+def test_the_lengths_stay_dynamic(exported: tuple[GPT, Path]) -> None:
     import onnx
 
     _, path = exported
-    (graph_input,) = onnx.load(str(path)).graph.input
-    length = graph_input.type.tensor_type.shape.dim[1]
-    assert length.dim_param and not length.HasField("dim_value"), length
+    ids, past = onnx.load(str(path)).graph.input
+    for graph_input, axis in ((ids, 1), (past, 4)):  # T and P
+        dim = graph_input.type.tensor_type.shape.dim[axis]
+        assert dim.dim_param and not dim.HasField("dim_value"), (graph_input.name, dim)
 
 
 def test_check_passes_on_the_model_and_fails_on_another(exported: tuple[GPT, Path]) -> None:
@@ -80,13 +111,13 @@ def test_check_passes_on_the_model_and_fails_on_another(exported: tuple[GPT, Pat
 
 def test_the_written_out_attention_is_exported() -> None:
     model = _model("gpt2")
-    logits, attention = WithAttention(model)(torch.tensor([[1, 2, 3]]))
+    logits, attention, _ = WithCache(model)(torch.tensor([[1, 2, 3]]), empty_cache(model))
     rows = attention.sum(-1)
     assert torch.allclose(rows, torch.ones_like(rows))
     assert attention[..., 0, 1:].abs().max() == 0  # causal: the first query sees itself only
 
 
-@pytest.mark.parametrize("length", [0, 1, 65])
+@pytest.mark.parametrize("length", [0, 1, 32])  # 32 new after 33 cached: 65 > 64
 def test_an_example_that_would_fix_the_length_is_refused(length: int,
                                                          tmp_path: Path) -> None:
     with pytest.raises(AssertionError, match="example_length must lie in"):

@@ -2,12 +2,14 @@
 
 The site's playground runs three of the book's models in the reader's browser with
 onnxruntime-web: the book model (GPT-2's recipe), the modern model and the fine-tuned
-assistant ``sft-0``. Each is exported by PyTorch's exporter (`torch.onnx.export`) as a graph
-from ids (1, T) to the logits (1, T, V) and the attention weights of every layer and head,
-(1, L, H, T, T): `GPT.forward_with_attention`, whose attention is the written-out softmax
-the chapters show (`attention.scaled_dot_product_attention`; PyTorch's fused kernel returns no
-weights). T is dynamic, 1 to the context length. Every export is run by onnxruntime on
-held-out text at once, and refused unless its logits and weights are the package's.
+assistant ``sft-0``. Each is exported by PyTorch's exporter (`torch.onnx.export`) as one graph
+that reads new ids after a key-value cache passed in (`WithCache`): with an empty cache it is
+the whole forward pass, logits and the attention weights of every layer and head
+(`GPT.forward_with_attention`, whose attention is the written-out softmax the chapters show,
+`attention.scaled_dot_product_attention`; PyTorch's fused kernel returns no weights); with the
+cache of the text so far it reads one new token, as `minigpt.decoding.generate` does. T and P
+are dynamic. Every export is run by onnxruntime on held-out text at once, both ways, and
+refused unless its logits and weights are the package's.
 
 ``python -m minigpt.export OUT`` writes into the folder OUT one ``<name>.onnx`` per model and
 ``playground.json``: each model's vocabulary and shape, its chat tokens (the assistant's),
@@ -54,30 +56,58 @@ PROMPTS: dict[str, str] = {"book": "ROMEO:\nBut soft, what light",
 SAMPLE_LENGTH = 200
 
 
-class WithAttention(nn.Module):
-    """A GPT as the exported graph sees it: ids (B, T) -> logits (B, T, V) and the
-    attention weights of every layer and head, (B, L, H, T, T)."""
+class WithCache(nn.Module):
+    """A GPT as the exported graph sees it: new ids after a key-value cache, passed in and out.
+
+    ``ids`` (B, T) are positions P..P+T-1 of a text whose first P positions are in ``past``,
+    (L, 2, B, H_kv, P, d_k): each layer's keys, then its values (`KVCache`), as `present`
+    returned them; P may be 0. Returns the logits (B, T, V), the attention weights of every
+    layer and head over the P + T keys, (B, L, H, T, P + T), and ``present``, the cache with
+    the T new positions, (L, 2, B, H_kv, P + T, d_k). The caller keeps P + T within the
+    context length, as `decoding.generate` does: the prompt with P = 0, then one token at a
+    time, and the whole window afresh (P = 0) once it slides.
+    """
 
     def __init__(self, gpt: GPT) -> None:
         super().__init__()
         self.gpt = gpt
 
-    def forward(self, ids: Tensor) -> tuple[Tensor, Tensor]:
-        logits, maps = self.gpt.forward_with_attention(ids)
-        return logits, torch.stack(maps, dim=1)
+    def forward(self, ids: Tensor, past: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        cache = self.gpt.new_cache()
+        for layer, (keys, values) in zip(cache.layers, past, strict=True):
+            layer.append(keys, values)
+        logits, maps = self.gpt.forward_with_attention(ids, cache=cache)
+        present = []
+        for layer in cache.layers:
+            assert layer.keys is not None and layer.values is not None
+            present.append(torch.stack([layer.keys[:, :, :layer.length],
+                                        layer.values[:, :, :layer.length]]))
+        return logits, torch.stack(maps, dim=1), torch.stack(present)
+
+
+def empty_cache(gpt: GPT, batch_size: int = 1) -> Tensor:
+    """The ``past`` of a text not yet read: (L, 2, B, H_kv, 0, d_k) zeros."""
+    c = gpt.config
+    return torch.zeros(c.n_layers, 2, batch_size, c.kv_heads, 0, c.d_head)
 
 
 def export_onnx(gpt: GPT, path: Path, *, example_length: int = 8) -> Path:
-    """Write ``gpt`` as an ONNX graph with a dynamic length (1 to its context) to ``path``.
+    """Write ``gpt`` as an ONNX graph of `WithCache` to ``path``: inputs ``ids`` and ``past``,
+    outputs ``logits``, ``attention`` and ``present``, with T dynamic (1 to the context
+    length) and P dynamic (0 to the context length less 1).
 
-    The example input has ``example_length`` >= 2 positions: an example of length 1 (or 0)
-    would let the exporter fix T to it, silently.
+    The example has ``example_length`` >= 2 new positions after ``example_length + 1`` cached
+    ones: an example length of 1 (or 0) would let the exporter fix T or P to it, and two
+    equal lengths would let it take T and P for the same size, silently.
     """
-    assert 2 <= example_length <= gpt.config.context_length, (
-        f"example_length must lie in [2, {gpt.config.context_length}] (a length of 1 would "
-        f"make T static), got {example_length}")
-    length = torch.export.Dim("T", min=1, max=gpt.config.context_length)
-    example = torch.zeros(1, example_length, dtype=torch.long)
+    c = gpt.config
+    assert 2 <= example_length and 2 * example_length + 1 <= c.context_length, (
+        f"example_length must lie in [2, {(c.context_length - 1) // 2}] (a length of 1 would "
+        f"make T static, and T + P must fit the context), got {example_length}")
+    length = torch.export.Dim("T", min=1, max=c.context_length)
+    cached = torch.export.Dim("P", min=0, max=c.context_length - 1)
+    ids = torch.zeros(1, example_length, dtype=torch.long)
+    past = torch.zeros(c.n_layers, 2, 1, c.kv_heads, example_length + 1, c.d_head)
     path.parent.mkdir(parents=True, exist_ok=True)
     quiet = logging.getLogger("torch.onnx")  # its notes on the operators it skips
     level = quiet.level
@@ -85,9 +115,11 @@ def export_onnx(gpt: GPT, path: Path, *, example_length: int = 8) -> Path:
     try:
         with warnings.catch_warnings(), contextlib.redirect_stdout(sys.stderr):
             warnings.simplefilter("ignore")
-            torch.onnx.export(WithAttention(gpt.eval()), (example,), str(path),
-                              input_names=["ids"], output_names=["logits", "attention"],
-                              dynamic_shapes={"ids": {1: length}}, dynamo=True,
+            torch.onnx.export(WithCache(gpt.eval()), (ids, past), str(path),
+                              input_names=["ids", "past"],
+                              output_names=["logits", "attention", "present"],
+                              dynamic_shapes={"ids": {1: length}, "past": {4: cached}},
+                              dynamo=True,
                               external_data=False, verbose=False)
     finally:
         quiet.setLevel(level)
@@ -126,25 +158,41 @@ def held_out_contexts(tokenizer: CharTokenizer, n: int, max_length: int, *,
 
 
 def check_onnx(path: Path, gpt: GPT, contexts: Sequence[Sequence[int]]) -> dict[str, float]:
-    """Run the graph at ``path`` with onnxruntime on each context and compare with ``gpt``:
-    the largest |difference| of the logits and of the attention weights. Raises
-    `AssertionError` if either exceeds its tolerance."""
+    """Run the graph at ``path`` with onnxruntime on each context, both ways the page runs it,
+    and compare with ``gpt``'s forward pass over the whole context: the largest |difference|
+    of the logits and of the attention weights. Whole: every context read at once (P = 0).
+    Cached: a context of T >= 2 read as its first half, then one token at a time, each step
+    fed the last step's ``present``; each step's logits and weights must be the whole pass's
+    at that position. Raises `AssertionError` if either exceeds its tolerance."""
     import onnxruntime
 
     options = onnxruntime.SessionOptions()
     options.intra_op_num_threads = options.inter_op_num_threads = 1  # as on the page
     session = onnxruntime.InferenceSession(str(path), options,
                                            providers=["CPUExecutionProvider"])
+    empty = empty_cache(gpt).numpy()
     worst = {"logits": 0.0, "attention": 0.0}
+
+    def compare(name: str, got: np.ndarray, expected: Tensor) -> None:
+        worst[name] = max(worst[name], float(np.abs(got - expected.numpy()).max()))
+
     with torch.no_grad():
         for context in contexts:
             ids = torch.tensor([list(context)], dtype=torch.long)
-            logits, attention = session.run(None, {"ids": ids.numpy()})
-            expected, maps = WithAttention(gpt.eval())(ids)
-            worst["logits"] = max(worst["logits"],
-                                  float(np.abs(logits - expected.numpy()).max()))
-            worst["attention"] = max(worst["attention"],
-                                     float(np.abs(attention - maps.numpy()).max()))
+            expected, maps = gpt.eval().forward_with_attention(ids)
+            weights = torch.stack(maps, dim=1)  # (1, L, H, T, T)
+            logits, attention, past = session.run(None, {"ids": ids.numpy(), "past": empty})
+            compare("logits", logits, expected)
+            compare("attention", attention, weights)
+            first = len(context) // 2
+            if first == 0:
+                continue
+            _, _, past = session.run(None, {"ids": ids[:, :first].numpy(), "past": empty})
+            for t in range(first, len(context)):
+                logits, attention, past = session.run(
+                    None, {"ids": ids[:, t:t + 1].numpy(), "past": past})
+                compare("logits", logits[:, 0], expected[:, t])
+                compare("attention", attention[..., 0, :], weights[..., t, :t + 1])
     if worst["logits"] > LOGITS_TOLERANCE or worst["attention"] > ATTENTION_TOLERANCE:
         raise AssertionError(f"{path.name} differs from PyTorch: {worst} (tolerances "
                              f"{LOGITS_TOLERANCE}, {ATTENTION_TOLERANCE})")
@@ -196,7 +244,8 @@ def model_entry(name: str, gpt: GPT, tokenizer: CharTokenizer) -> dict[str, Any]
     c = gpt.config
     return {"file": f"{name}.onnx", "label": EXPORTED[name], "vocab": tokenizer.itos,
             "chars": len(tokenizer.chars), "context_length": c.context_length,
-            "n_layers": c.n_layers, "n_heads": c.n_heads,
+            "n_layers": c.n_layers, "n_heads": c.n_heads, "kv_heads": c.kv_heads,
+            "d_head": c.d_head,
             "parameters": gpt.num_parameters(), "chat": _chat_ids(tokenizer),
             "prompt": PROMPTS[name],
             "sample": greedy_sample(gpt, tokenizer, PROMPTS[name])}
@@ -243,8 +292,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     manifest = export_playground(args.out, contexts=args.contexts)
     for name, check in manifest["checks"].items():
         print(f"{name}: max |Δ| logits {check['logits']:.1e}, attention "
-              f"{check['attention']:.1e} on {check['contexts']} held-out contexts "
-              f"({check['seconds']} s)")
+              f"{check['attention']:.1e} on {check['contexts']} held-out contexts, whole and "
+              f"cached ({check['seconds']} s)")
     return 0
 
 
