@@ -4,10 +4,12 @@
  * recipe, the modern recipe's, or the fine-tuned assistant in its chat format), temperature,
  * top-k, top-p and a seed. The models are the ONNX graphs minigpt.export writes
  * (_static/playground/); onnxruntime-web (_static/onnxruntime/, single-threaded WebAssembly)
- * runs them. Nothing is fetched until the reader first asks for text, and nothing comes
+ * runs them, each step reading one token after a key-value cache as minigpt.decoding.generate
+ * does. Nothing is fetched until the reader first asks for text, and nothing comes
  * from another host. Text appears character by character in an aria-live region; the
  * attention of any layer and head over the text is drawn with the book's Vega-Lite heatmap
- * (minigpt.charts.attention_explorer, whose specification playground.json holds).
+ * (minigpt.charts.attention_explorer, whose specification playground.json holds); its cells
+ * can be chosen with the arrow keys, and a line under it reads out the weight.
  *
  * The tokenizer and the sampler below are written to match the package operation for
  * operation: CharTokenizer.encode_ordinary / decode (minigpt.tokenizer), apply_temperature,
@@ -239,19 +241,33 @@
     return sessions.get(name);
   }
 
-  // The graph on ids (T <= context): logits (T, V) and attention (L, H, T, T), flat.
-  async function forward(loaded, ids) {
+  // The graph (minigpt.export.WithCache) on ids after a cache: past is the present of an
+  // earlier call, or null for none. Flat logits (T, V), attention (L, H, T, P + T), and the
+  // present, the cache with the T new positions, to pass to the next call.
+  async function forward(loaded, ids, past) {
+    const model = loaded.model;
     const input = new loaded.ort.Tensor("int64", BigInt64Array.from(ids, BigInt),
                                         [1, ids.length]);
-    const out = await loaded.graph.run({ids: input});
-    return {logits: out.logits.data, attention: out.attention.data, T: ids.length,
-            V: loaded.model.vocab.length};
+    const cache = past || new loaded.ort.Tensor(
+      "float32", new Float32Array(0), [model.n_layers, 2, 1, model.kv_heads, 0, model.d_head]);
+    const out = await loaded.graph.run({ids: input, past: cache});
+    return {logits: out.logits.data, attention: out.attention.data, present: out.present,
+            T: ids.length, P: cache.dims[4], V: model.vocab.length};
   }
 
-  // The logits of the token after ids (the last row), reading the last context_length.
-  async function nextLogits(loaded, ids) {
-    const window_ = ids.slice(-loaded.model.context_length);
-    const out = await forward(loaded, window_);
+  // The logits of the token after seq, read as minigpt.decoding.generate reads them with a
+  // key-value cache: only the tokens the cache lacks; when seq outgrows the context, the
+  // window has slid, every kept token has a new position, and the last context_length
+  // tokens are read afresh. cache = {past, length} is updated.
+  async function nextLogits(loaded, seq, cache) {
+    const T = loaded.model.context_length;
+    if (seq.length > T) {
+      cache.past = null;
+      cache.length = 0;
+    }
+    const out = await forward(loaded, seq.slice(cache.length).slice(-T), cache.past);
+    cache.past = out.present;
+    cache.length = out.P + out.T;
     return out.logits.slice((out.T - 1) * out.V, out.T * out.V);
   }
 
@@ -261,8 +277,9 @@
     const seq = ids.slice();
     const draw = uniformGenerator(settings.seed);
     const end = loaded.model.chat ? loaded.model.chat.end : -1;
+    const cache = {past: null, length: 0};
     for (let step = 0; step < n && !(shouldStop && shouldStop()); step++) {
-      const q = nextTokenDistribution(await nextLogits(loaded, seq), settings);
+      const q = nextTokenDistribution(await nextLogits(loaded, seq, cache), settings);
       const greedy = settings.greedy || settings.temperature === 0;
       const next = greedy ? argmax(q) : inverseCdf(q, draw());
       if (next === end) { break; }
@@ -317,6 +334,13 @@
         param.bind.options = [...Array(H).keys()];
         param.bind.labels = param.bind.options.map((i) => "head " + i);
       }
+    }
+    // The cell chosen with the arrow keys is outlined as a hovered one is.
+    spec.params.push({name: "focusQuery", value: -1}, {name: "focusKey", value: -1});
+    const chosen = "datum.query === focusQuery && datum.key === focusKey";
+    for (const [channel, value] of [["stroke", "#e4572e"], ["strokeWidth", 2]]) {
+      const hovered = spec.encoding[channel].condition;
+      spec.encoding[channel].condition = [hovered, {test: chosen, value}];
     }
     spec.description = "Attention weights of one head over the text just written";
     return spec;
@@ -444,9 +468,15 @@
                                    tabindex: "0"}, [promptShown, written]);
     const heatmapAlt = element("p", {class: "minigpt-playground-heatmap-alt",
                                      id: id + "-heatmap-alt"});
+    const cells = element("div", {class: "minigpt-playground-view", tabindex: "0",
+                                  role: "group", "aria-describedby": id + "-readout",
+                                  "aria-label": "attention cells: arrow keys move between " +
+                                                "them, the weight is read out below"});
+    const readout = element("p", {class: "minigpt-playground-readout", id: id + "-readout",
+                                  "aria-live": "polite"});
     const heatmap = element("div", {class: "minigpt-playground-heatmap", role: "figure",
                                     "aria-describedby": id + "-heatmap-alt"},
-                            [heatmapAlt, element("div", {class: "minigpt-playground-view"})]);
+                            [heatmapAlt, cells, readout]);
     heatmap.hidden = true;
     const live = element("div", {class: "minigpt-playground-live"},
                          [form, status, error, output, heatmap]);
@@ -508,9 +538,40 @@
       }
     });
 
+    // The keyboard's cell: arrow keys move the query (up, down) and the key (left, right)
+    // within the causal half, Home and End go to the row's first and last key; the readout
+    // says the weight, as the tooltip does on hover.
+    const focus = {query: 0, key: 0, tokens: [], attention: null, model: null};
+    function readCell() {
+      const view = heatmap.minigptView;
+      if (!view || !focus.attention) { return; }
+      const T = focus.tokens.length;
+      const layer = view.signal("layer");
+      const head = view.signal("head");
+      const weight = focus.attention[((layer * focus.model.n_heads + head) * T + focus.query) *
+                                     T + focus.key];
+      view.signal("focusQuery", focus.query).signal("focusKey", focus.key).runAsync();
+      readout.textContent = "Layer " + layer + ", head " + head + ": query " + focus.query +
+        " (" + displayToken(focus.tokens[focus.query]) + ") gives key " + focus.key + " (" +
+        displayToken(focus.tokens[focus.key]) + ") weight " +
+        (Math.round(weight * 1000) / 1000).toFixed(3) + ".";
+    }
+    cells.addEventListener("keydown", (event) => {
+      const T = focus.tokens.length;
+      const moves = {ArrowUp: [-1, 0], ArrowDown: [1, 0], ArrowLeft: [0, -1],
+                     ArrowRight: [0, 1], Home: [0, -T], End: [0, T]};
+      // (the layer and head selectors inside keep their own arrow keys)
+      if (event.target !== cells || !T || !(event.key in moves)) { return; }
+      event.preventDefault();
+      const [dq, dk] = moves[event.key];
+      focus.query = Math.min(T - 1, Math.max(0, focus.query + dq));
+      focus.key = Math.min(focus.query, Math.max(0, focus.key + dk));
+      readCell();
+    });
+
     async function drawHeatmap(loaded, seq) {
       const window_ = seq.slice(-loaded.model.context_length);
-      const out = await forward(loaded, window_);
+      const out = await forward(loaded, window_, null);
       const tokens = window_.map((i) => loaded.model.vocab[i]);
       const info = await loadManifest();
       await loadVega();
@@ -518,18 +579,25 @@
       heatmapAlt.textContent = "Heatmap of the attention weights of one head of the " +
         loaded.model.label + " over the last " + tokens.length + " tokens of the text: " +
         "rows are queries, columns keys, brighter is more weight. Selectors choose the " +
-        "layer and the head; hovering a cell shows its weight.";
+        "layer and the head; hovering a cell, or moving to it with the arrow keys, shows " +
+        "its weight.";
       heatmap.hidden = false;
       const view = heatmap.querySelector(".minigpt-playground-view");
       const result = await window.vegaEmbed(view, spec, {actions: false, renderer: "svg",
                                                          tooltip: {theme: "light"}});
       heatmap.minigptView = result.view;
+      Object.assign(focus, {query: tokens.length - 1, key: tokens.length - 1, tokens,
+                            attention: out.attention, model: loaded.model});
+      result.view.addSignalListener("layer", readCell);
+      result.view.addSignalListener("head", readCell);
+      readCell();
     }
   }
 
   window.minigptPlayground = {
     applyTemperature, topKFilter, topPFilter, nextTokenDistribution, inverseCdf,
-    uniformGenerator, tokenizer, promptIds, session, forward, generate, heatmapSpec,
+    uniformGenerator, tokenizer, promptIds, session, forward, nextLogits, generate,
+    heatmapSpec,
     loadManifest, FIRST_PROMPTS,
   };
 

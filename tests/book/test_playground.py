@@ -27,6 +27,7 @@ import gzip
 import http.server
 import json
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -204,7 +205,32 @@ def test_logits_and_attention_equal_pytorch(page: Any, name: str) -> None:
             expected = model(torch.tensor([ids]))[0].numpy()
             worst = max(worst, float(np.abs(_floats(text).reshape(expected.shape)
                                             - expected).max()))
-    print(f"{name}: max |Δlogit| {worst:.2e} over 100 held-out contexts of lengths 1-64")
+    T = model.config.context_length
+    print(f"{name}: max |Δlogit| {worst:.2e} over 100 held-out contexts of lengths 1-{T}")
+    assert worst <= 1e-4
+    # As the page generates: the first half of a context, then a token at a time after the
+    # key-value cache (api.nextLogits); each step's logits are the whole pass's there.
+    long = [c for c in contexts if len(c) >= 8][:5]
+    got = _run(page, """
+      const loaded = await api.session(args[0]);
+      const out = [];
+      for (const ids of args[1]) {
+        const cache = {past: null, length: 0};
+        const steps = [];
+        for (let t = Math.floor(ids.length / 2); t <= ids.length; t++) {
+          steps.push(f64(await api.nextLogits(loaded, ids.slice(0, t), cache)));
+        }
+        out.push({steps, cached: cache.length});
+      }
+      return out;""", name, long)
+    worst = 0.0
+    with torch.no_grad():
+        for ids, seen in zip(long, got, strict=True):
+            assert seen["cached"] == len(ids)
+            expected = model(torch.tensor([ids]))[0].numpy()  # (T, V)
+            for t, text in zip(range(len(ids) // 2, len(ids) + 1), seen["steps"], strict=True):
+                worst = max(worst, float(np.abs(_floats(text) - expected[t - 1]).max()))
+    print(f"{name}: max |Δlogit| {worst:.2e}, a token at a time after the cache, 5 contexts")
     assert worst <= 1e-4
     five = contexts[:5]
     got = _run(page, """
@@ -246,6 +272,32 @@ def test_greedy_text_equals_generate(page: Any, name: str) -> None:
         assert tokenizer.decode(expected[len(ids):]) == question.upper()
     assert got == expected, (tokenizer.decode(got[len(ids):]),
                              tokenizer.decode(expected[len(ids):]))
+
+
+def test_speed_is_reported(page: Any) -> None:
+    """Each model, its runtime loaded, writes 200 characters after its first prompt as the
+    form does (τ 0.8, seed 7): the time to the first character and characters a second."""
+    speeds = _run(page, """
+      const out = {};
+      for (const name of args[0]) {
+        const loaded = await api.session(name);
+        const text = name === "sft-0" ? "ROMEO:\\nBut soft" : api.FIRST_PROMPTS[name];
+        const ids = api.tokenizer(loaded.model).encode(text);
+        const settings = {temperature: 0.8, topK: null, topP: null, seed: 7, greedy: false};
+        const started = performance.now();
+        let first = null;
+        let count = 0;
+        await api.generate(loaded, ids, 200, settings, () => {
+          if (first === null) { first = performance.now() - started; }
+          count += 1;
+        });
+        out[name] = {first, count, seconds: (performance.now() - started) / 1000};
+      }
+      return out;""", list(EXPORTED))
+    for name, speed in speeds.items():
+        print(f"{name}: first character after {speed['first']:.0f} ms, {speed['count']} "
+              f"characters at {speed['count'] / speed['seconds']:.0f} characters/s")
+        assert speed["count"] > 0 and speed["first"] < 1000
 
 
 # (temperature, top-k, top-p): 20 settings, None for no filter.
@@ -351,6 +403,29 @@ def test_keyboard_alone_writes_and_picks_a_head(driver: Any, base_url: str) -> N
         pictures.add(tuple(e.get_attribute("fill") for e in
                            heatmap.find_elements("css selector", ".mark-rect path")[:200]))
     assert len(pictures) == 3, "the head selector did not change the heatmap"
+    # The cells by keyboard: Shift+Tab from the head selector reaches them (they come before
+    # their selectors), arrow keys choose one, the readout says its weight, which is
+    # PyTorch's (as drawn, in thousandths).
+    for _ in range(3):
+        if "minigpt-playground-view" in (driver.switch_to.active_element.get_attribute("class")
+                                         or ""):
+            break
+        ActionChains(driver).key_down(Keys.SHIFT).send_keys(Keys.TAB).key_up(Keys.SHIFT) \
+            .perform()
+    assert "minigpt-playground-view" in driver.switch_to.active_element.get_attribute("class")
+    ActionChains(driver).send_keys(Keys.ARROW_UP, Keys.ARROW_UP, Keys.ARROW_LEFT,
+                                   Keys.ARROW_LEFT, Keys.ARROW_LEFT).perform()
+    readout = heatmap.find_element("css selector", ".minigpt-playground-readout").text
+    found = re.fullmatch(r"Layer (\d+), head (\d+): query (\d+) \(.+\) gives key (\d+) "
+                         r"\(.+\) weight (\d\.\d{3})\.", readout)
+    assert found, readout
+    layer, head, query, key = (int(found[i]) for i in range(1, 5))
+    model, tokenizer, _ = _model("book")
+    window = tokenizer.encode_ordinary("JULIET:\nO Romeo" + written)[-64:]
+    assert (layer, head, query, key) == (0, 2, len(window) - 3, len(window) - 6), readout
+    with torch.no_grad():
+        _, maps = model.forward_with_attention(torch.tensor([window]))
+    assert abs(float(found[5]) - float(maps[layer][0, head, query, key])) <= 0.0011, readout
     # Nothing left the host: Chromium's network log and the server's own.
     leaving = [u for u in _requests(driver)
                if urlsplit(u).scheme not in ("data", "blob")
