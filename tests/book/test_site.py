@@ -426,6 +426,7 @@ class _Page:
     images: int
     resources: list[str]  # every URL the page loaded
     scrolling: list[str]  # the widest line of each code/output block that scrolls sideways
+    page_width: list[int]  # the page's scroll width and the window's, in CSS pixels
     charts: list[list[str]]  # each interactive figure's id and state ("drawn", "error")
     console: list[dict[str, Any]]
     axe: list[dict[str, Any]]  # axe-core's violations: id, impact, nodes (in the article?)
@@ -491,6 +492,7 @@ return {
                   .filter((p) => p.scrollWidth > p.clientWidth)
                   .map((p) => p.textContent.split('\\n')
                                 .reduce((a, b) => (b.length > a.length ? b : a), '')),
+  page_width: [document.scrollingElement.scrollWidth, document.scrollingElement.clientWidth],
 };
 """
 
@@ -620,6 +622,10 @@ def test_code_fits_the_column(page: tuple[str, _Page], driver: Any) -> None:
         f"{WINDOW_WIDTH}-px window; their widest lines:\n"
         + "\n".join(f"  ({len(line)} chars) {line[:100]}" for line in seen.scrolling)
     )
+    scroll_width, window_width = seen.page_width  # nor the page itself (a wide figure)
+    assert scroll_width <= window_width, (
+        f"{entry}: the page is {scroll_width} px wide in a {window_width}-px window, so it "
+        "scrolls sideways")
 
 
 # No critical or serious violation anywhere on a page. The theme's own markup had one
