@@ -1,8 +1,8 @@
 /* The playground: the book's models write in the reader's browser, offline.
  *
  * Each div.minigpt-playground becomes a form: a prompt, the model (the book model of GPT-2's
- * recipe, the modern recipe's, or the fine-tuned assistant in its chat format), temperature,
- * top-k, top-p and a seed. The models are the ONNX graphs minigpt.export writes
+ * recipe, the modern recipe's, or the fine-tuned assistant in its chat format, which keeps
+ * the conversation as minigpt.chat does), temperature, top-k, top-p and a seed. The models are the ONNX graphs minigpt.export writes
  * (_static/playground/); onnxruntime-web (_static/onnxruntime/, single-threaded WebAssembly)
  * runs them, each step reading one token after a key-value cache as minigpt.decoding.generate
  * does. Nothing is fetched until the reader first asks for text, and nothing comes
@@ -171,21 +171,47 @@
   // The ids a prompt becomes (minigpt.export.prompt_ids): its characters, or for the
   // assistant the user's turn and <|assistant|> (minigpt.chat.prompt_ids).
   function promptIds(model, text) {
+    return model.chat ? chatIds(model, [{role: "user", text}]) : checkedIds(model, text);
+  }
+
+  function checkedIds(model, text) {
     if (typeof text !== "string" || text.length === 0) {
       throw new Error("the prompt is empty: type at least one character");
     }
-    const ids = tokenizer(model).encode(text);
-    if (!model.chat) {
-      return ids;
+    return tokenizer(model).encode(text);
+  }
+
+  // minigpt.chat.prompt_ids: each turn as its role's token, its text and <|end|>, then
+  // <|assistant|>, which asks for the answer.
+  function chatIds(model, turns) {
+    const ids = [];
+    for (const turn of turns) {
+      const text = turn.role === "user" ? checkedIds(model, turn.text)
+        : tokenizer(model).encode(turn.text);
+      ids.push(model.chat[turn.role], ...text, model.chat.end);
     }
-    const prompt = [model.chat.user, ...ids, model.chat.end, model.chat.assistant];
-    if (prompt.length >= model.context_length) {
-      throw new Error("the question has " + ids.length + " characters; the assistant " +
-                      "reads at most " + (model.context_length - 4) + ", leaving room in " +
-                      "its context of " + model.context_length + " for the chat tokens " +
-                      "and an answer");
+    ids.push(model.chat.assistant);
+    return ids;
+  }
+
+  // minigpt.chat.fit_context: the turns without as few of their oldest as needed for the
+  // prompt to leave room tokens for the answer, starting with a user's turn; the last
+  // message is kept alone even with less room if it leaves two tokens (a character and
+  // the end of the turn).
+  function fitContext(model, turns, room) {
+    const T = model.context_length;
+    for (let start = 0; start < turns.length; start++) {
+      const kept = turns.slice(start);
+      if (kept[0].role === "user" && chatIds(model, kept).length + room <= T) {
+        return kept;
+      }
     }
-    return prompt;
+    const n = chatIds(model, turns.slice(-1)).length;
+    if (n < T - 1) {
+      return turns.slice(-1);
+    }
+    throw new Error("this message makes a prompt of " + n + " tokens; the model reads " + T +
+                    ", and an answer needs room: write a shorter one");
   }
 
   // ------------------------------------------------------------------- loading
@@ -272,17 +298,19 @@
   }
 
   // Generate up to n tokens after prompt ids; onToken(id) after each; stops at the end of
-  // the assistant's turn, or when shouldStop() says so.
+  // the assistant's turn (any chat token), or when shouldStop() says so.
   async function generate(loaded, ids, n, settings, onToken, shouldStop) {
     const seq = ids.slice();
     const draw = uniformGenerator(settings.seed);
-    const end = loaded.model.chat ? loaded.model.chat.end : -1;
+    // The assistant's answer ends at its first chat token (chat.answer_turn cuts it there).
+    const chat = loaded.model.chat;
+    const stops = chat ? [chat.user, chat.assistant, chat.end] : [];
     const cache = {past: null, length: 0};
     for (let step = 0; step < n && !(shouldStop && shouldStop()); step++) {
       const q = nextTokenDistribution(await nextLogits(loaded, seq, cache), settings);
       const greedy = settings.greedy || settings.temperature === 0;
       const next = greedy ? argmax(q) : inverseCdf(q, draw());
-      if (next === end) { break; }
+      if (stops.includes(next)) { break; }
       seq.push(next);
       if (onToken) { onToken(next); }
     }
@@ -292,6 +320,7 @@
   // ------------------------------------------------------------------- the heatmap
 
   const VISIBLE = {" ": "␣", "\n": "\\n", "\t": "\\t", "\r": "\\r"};
+  const AXIS_LABELS = {"<|user|>": "U", "<|assistant|>": "A", "<|end|>": "E"};
   function displayToken(token) {  // minigpt.viz.display_token
     return token === "" ? "∅" : Array.from(token).map((c) => VISIBLE[c] || c).join("");
   }
@@ -335,6 +364,18 @@
         param.bind.labels = param.bind.options.map((i) => "head " + i);
       }
     }
+    // On the axes a chat token is one bold red letter, which fits its cell (U, A, E); the
+    // tooltip and the readout give its name.
+    spec.params.push({name: "labels", value: tokens.map(
+                       (token) => AXIS_LABELS[token] || displayToken(token))},
+                     {name: "chatToken", value: tokens.map((token) => token in AXIS_LABELS)});
+    for (const axis of [spec.encoding.x.axis, spec.encoding.y.axis]) {
+      axis.labelExpr = "labels[datum.value]";
+      axis.labelColor = {condition: {test: "chatToken[datum.value]", value: "#c0392b"},
+                         value: "#000000"};
+      axis.labelFontWeight = {condition: {test: "chatToken[datum.value]", value: "bold"},
+                              value: "normal"};
+    }
     // The cell chosen with the arrow keys is outlined as a hovered one is.
     spec.params.push({name: "focusQuery", value: -1}, {name: "focusKey", value: -1});
     const chosen = "datum.query === focusQuery && datum.key === focusKey";
@@ -347,6 +388,13 @@
   }
 
   // ------------------------------------------------------------------- the form
+
+  // The conversation as the output shows it: each question after "you: ", each answer
+  // after "→ ", and "→ " for the answer being written.
+  function transcript(turns) {
+    return turns.map((t) => (t.role === "user" ? "you: " + t.text + "\n→ " : t.text + "\n"))
+      .join("");
+  }
 
   let counter = 0;
 
@@ -436,14 +484,33 @@
     controls.model.value = preset.model || "book";
     // A prompt left as a model's first prompt follows the model chosen (the assistant
     // answers questions; the others continue a speech).
+    const write = element("button", {type: "submit", class: "btn btn-primary", text: "Write"});
+    const stop = element("button", {type: "button", class: "btn btn-secondary", text: "Stop"});
+    stop.disabled = true;
+    // The assistant keeps the conversation: each question is asked after the earlier turns
+    // (as `python -m minigpt chat` asks it), until the reader starts a new one.
+    const restart = element("button", {type: "button", class: "btn btn-secondary",
+                                       text: "New conversation"});
+    let conversation = [];
+    function newConversation() {
+      conversation = [];
+      restart.disabled = true;
+      restart.hidden = controls.model.value !== "sft-0";
+    }
+    newConversation();
+    restart.addEventListener("click", () => {
+      newConversation();
+      promptShown.textContent = "";
+      written.textContent = "";
+      heatmap.hidden = true;
+      status.textContent = "a new conversation: the assistant has forgotten the last one.";
+    });
     controls.model.addEventListener("change", () => {
       if (Object.values(FIRST_PROMPTS).includes(controls.prompt.value)) {
         controls.prompt.value = FIRST_PROMPTS[controls.model.value];
       }
+      newConversation();
     });
-    const write = element("button", {type: "submit", class: "btn btn-primary", text: "Write"});
-    const stop = element("button", {type: "button", class: "btn btn-secondary", text: "Stop"});
-    stop.disabled = true;
     // novalidate: the checks below name the field and the allowed range in words.
     const form = element("form", {class: "minigpt-playground-form", novalidate: "",
                                   "aria-label": "Write with a model"}, [
@@ -457,7 +524,7 @@
         field(id + "-seed", "Seed", controls.seed),
         field(id + "-length", "Characters", controls.length),
       ]),
-      element("div", {class: "minigpt-playground-buttons"}, [write, stop]),
+      element("div", {class: "minigpt-playground-buttons"}, [write, stop, restart]),
     ]);
     const status = element("p", {class: "minigpt-playground-status", role: "status"});
     const error = element("p", {class: "minigpt-playground-error", role: "alert"});
@@ -491,6 +558,8 @@
       let loaded;
       let ids;
       let settings;
+      let turns = null;  // the assistant's conversation, the new question last
+      let forgotten = 0;
       try {
         status.textContent = "loading the model…";
         container.dataset.state = "loading";
@@ -498,7 +567,14 @@
         loaded = await session(controls.model.value);
         container.dataset.loadMs = String(Math.round(performance.now() - started));
         settings = readSettings(controls, loaded.model);
-        ids = promptIds(loaded.model, controls.prompt.value);
+        if (loaded.model.chat) {
+          const asked = [...conversation, {role: "user", text: controls.prompt.value}];
+          turns = fitContext(loaded.model, asked, settings.length);
+          forgotten = asked.length - turns.length;
+          ids = chatIds(loaded.model, turns);
+        } else {
+          ids = promptIds(loaded.model, controls.prompt.value);
+        }
       } catch (problem) {
         error.textContent = problem.message;
         status.textContent = "";
@@ -506,7 +582,7 @@
         return;
       }
       const tok = tokenizer(loaded.model);
-      promptShown.textContent = controls.prompt.value + (loaded.model.chat ? "\n→ " : "");
+      promptShown.textContent = loaded.model.chat ? transcript(turns) : controls.prompt.value;
       written.textContent = "";
       heatmap.hidden = true;
       write.disabled = true;
@@ -517,8 +593,11 @@
       const started = performance.now();
       let first = null;
       let count = 0;
+      // An answer stops where the context is full (chat.greedy_replies); other text slides.
+      const n = turns ? Math.min(settings.length, loaded.model.context_length - ids.length)
+        : settings.length;
       try {
-        const seq = await generate(loaded, ids, settings.length, settings, (next) => {
+        const seq = await generate(loaded, ids, n, settings, (next) => {
           if (first === null) { first = performance.now() - started; }
           count += 1;
           written.textContent += tok.decode([next]);
@@ -527,6 +606,15 @@
         container.dataset.firstCharMs = String(Math.round(first === null ? 0 : first));
         container.dataset.charsPerSecond = String(count / seconds);
         status.textContent = count + " characters in " + seconds.toFixed(1) + " s.";
+        if (turns) {
+          conversation = [...turns, {role: "assistant", text: tok.decode(seq.slice(ids.length))}];
+          restart.disabled = false;
+          if (forgotten) {
+            status.textContent += " The conversation outgrew the context of " +
+              loaded.model.context_length + " tokens: its first " + forgotten + " turn" +
+              (forgotten === 1 ? " is" : "s are") + " forgotten.";
+          }
+        }
         await drawHeatmap(loaded, seq);
         container.dataset.state = "done";
       } catch (problem) {
@@ -578,7 +666,10 @@
       const spec = heatmapSpec(info.heatmap, loaded.model, tokens, out.attention);
       heatmapAlt.textContent = "Heatmap of the attention weights of one head of the " +
         loaded.model.label + " over the last " + tokens.length + " tokens of the text: " +
-        "rows are queries, columns keys, brighter is more weight. Selectors choose the " +
+        "rows are queries, columns keys, brighter is more weight" +
+        (loaded.model.chat ? " (on the axes a red U, A and E are the chat tokens " +
+                             "<|user|>, <|assistant|> and <|end|>)" : "") +
+        ". Selectors choose the " +
         "layer and the head; hovering a cell, or moving to it with the arrow keys, shows " +
         "its weight.";
       heatmap.hidden = false;
@@ -596,7 +687,8 @@
 
   window.minigptPlayground = {
     applyTemperature, topKFilter, topPFilter, nextTokenDistribution, inverseCdf,
-    uniformGenerator, tokenizer, promptIds, session, forward, nextLogits, generate,
+    uniformGenerator, tokenizer, promptIds, chatIds, fitContext, session, forward,
+    nextLogits, generate,
     heatmapSpec,
     loadManifest, FIRST_PROMPTS,
   };

@@ -41,6 +41,7 @@ import numpy as np
 import pytest
 import torch
 
+from minigpt import chat
 from minigpt.assistant import MODELS
 from minigpt.decoding import generate, inverse_cdf, next_token_distribution
 from minigpt.export import EXPORTED, PROMPTS, held_out_contexts, prompt_ids
@@ -530,9 +531,68 @@ def test_the_assistant_answers_in_its_chat_format(driver: Any, base_url: str) ->
     written = box.find_element("css selector", ".minigpt-playground-written").text
     assert written == tokenizer.decode(answer) == PROMPTS["sft-0"].removeprefix("upper: ").upper()
     T = model.config.context_length
-    driver.execute_script(_SET, "div.minigpt-playground textarea", "upper: " + "a" * (T - 3))
+    too_long = "upper: " + "a" * (T - 3)
+    with pytest.raises(ValueError) as refused:
+        chat.fit_context([chat.Turn("user", too_long)], tokenizer, T, room=200)
+    assert "this message makes a prompt of" in str(refused.value)
+    driver.execute_script(_SET, "div.minigpt-playground textarea", too_long)
     box.find_element("css selector", "button[type=submit]").click()
     assert _wait_state(driver, ("error",), timeout=20) == "error"
     alert = box.find_element("css selector", "[role=alert]").text
-    assert (f"the question has {T + 4} characters; the assistant reads at most {T - 4}"
-            in alert), alert
+    assert alert == str(refused.value), alert
+
+
+# The prompt the live form shows (the static twin has one too).
+_SHOWN = ".minigpt-playground-live .minigpt-playground-prompt"
+
+# Questions of the five task families, the fifth long enough that the conversation outgrows
+# the assistant's context and its first turns are forgotten.
+CONVERSATION = ["upper: storm", "reverse: night", "letters in: crown",
+                "first word: What light through yonder window breaks",
+                "last word: " + "Romeo, Romeo, wherefore art thou Romeo, " * 3 + "and Juliet"]
+
+
+def test_the_assistant_holds_a_conversation(driver: Any, base_url: str) -> None:
+    """Greedy, with answers of at most 32 characters: each answer the page writes is the one
+    `python -m minigpt chat` gives after the same turns (chat.fit_context with room for the
+    answer, then chat.answer_turn); the page forgets the turns the chat forgets, and says so;
+    "New conversation" starts afresh."""
+    from selenium.webdriver.support.ui import Select
+
+    _open(driver, base_url, "book/intro")
+    box = _form(driver)
+    Select(box.find_element("css selector", "select")).select_by_value("sft-0")
+    restart = box.find_element("xpath", ".//button[text()='New conversation']")
+    assert restart.is_displayed() and not restart.is_enabled()
+    driver.execute_script(_SET, "div.minigpt-playground input[id$=temperature]", "0")
+    driver.execute_script(_SET, "div.minigpt-playground input[id$=length]", "32")
+    model, tokenizer, _ = _model("sft-0")
+    T = model.config.context_length
+    turns: list[chat.Turn] = []
+    forgot = []
+    for question in CONVERSATION:
+        kept = chat.fit_context([*turns, chat.Turn("user", question)], tokenizer, T, room=32)
+        forgot.append(len(turns) + 1 - len(kept))
+        answer = chat.answer_turn(model, tokenizer, kept, max_new_tokens=32)
+        turns = [*kept, answer]
+        driver.execute_script(_SET, "div.minigpt-playground textarea", question)
+        box.find_element("css selector", "button[type=submit]").click()
+        assert _wait_state(driver, ("done", "error")) == "done", box.text
+        written = box.find_element("css selector", ".minigpt-playground-written")
+        assert written.get_attribute("textContent") == answer.text, question
+        shown = box.find_element("css selector", _SHOWN)
+        assert shown.get_attribute("textContent").endswith("you: " + question + "\n→ ")
+        status = box.find_element("css selector", ".minigpt-playground-status").text
+        assert ("forgotten" in status) == (forgot[-1] > 0), (question, status)
+    assert forgot[0] == 0 and forgot[-1] > 0, forgot  # the test reaches the context's end
+    assert restart.is_enabled()
+    restart.click()
+    driver.execute_script(_SET, "div.minigpt-playground textarea", CONVERSATION[1])
+    box.find_element("css selector", "button[type=submit]").click()
+    assert _wait_state(driver, ("done", "error")) == "done"
+    alone = chat.answer_turn(model, tokenizer, [chat.Turn("user", CONVERSATION[1])],
+                             max_new_tokens=32)
+    shown = box.find_element("css selector", _SHOWN)
+    assert shown.get_attribute("textContent") == "you: " + CONVERSATION[1] + "\n→ "
+    written = box.find_element("css selector", ".minigpt-playground-written")
+    assert written.get_attribute("textContent") == alone.text
