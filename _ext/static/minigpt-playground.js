@@ -674,7 +674,9 @@
         "its weight.";
       heatmap.hidden = false;
       const view = heatmap.querySelector(".minigpt-playground-view");
-      const result = await window.vegaEmbed(view, spec, {actions: false, renderer: "svg",
+      // Drawn on a canvas: an assistant's conversation of 200 tokens has 20,000 cells, which
+      // as SVG elements took seconds to draw after every answer.
+      const result = await window.vegaEmbed(view, spec, {actions: false, renderer: "canvas",
                                                          tooltip: {theme: "light"}});
       heatmap.minigptView = result.view;
       Object.assign(focus, {query: tokens.length - 1, key: tokens.length - 1, tokens,
