@@ -561,8 +561,9 @@ def test_the_assistant_holds_a_conversation(driver: Any, base_url: str) -> None:
 
     _open(driver, base_url, "book/intro")
     box = _form(driver)
-    Select(box.find_element("css selector", "select")).select_by_value("sft-0")
     restart = box.find_element("xpath", ".//button[text()='New conversation']")
+    assert not restart.is_displayed()  # the book model continues text, it holds no conversation
+    Select(box.find_element("css selector", "select")).select_by_value("sft-0")
     assert restart.is_displayed() and not restart.is_enabled()
     driver.execute_script(_SET, "div.minigpt-playground input[id$=temperature]", "0")
     driver.execute_script(_SET, "div.minigpt-playground input[id$=length]", "32")
