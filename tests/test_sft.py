@@ -236,6 +236,8 @@ def test_a_conversation_too_long_for_the_context_loses_its_oldest_exchanges() ->
                                tok) == turns[4:]
     with pytest.raises(ValueError, match="conversation 0's last exchange alone is 19 tokens"):
         encode_conversations([turns], tok, 10)
+    whole = encode_conversations([turns], tok).sequences[0]  # no context: nothing is cut
+    assert decode_conversation(whole.tolist(), tok) == turns and len(whole) == 61
 
 
 def test_finetune_on_conversations_with_a_longer_context(monkeypatch) -> None:

@@ -26,6 +26,7 @@ from typing import Literal, TextIO
 
 import regex
 import torch
+from torch import Tensor
 
 from minigpt.decoding import generate
 from minigpt.model import GPT
@@ -213,16 +214,11 @@ def extend_vocabulary(model: GPT, vocab_size: int) -> GPT:
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < old:
         raise ValueError(f"vocab_size must be an int >= the model's {old} tokens (a vocabulary "
                          f"only grows), got {vocab_size!r}")
-    param = next(model.parameters())
-    with torch.random.fork_rng(devices=[]):  # the new model's random start is overwritten
-        new = GPT(model.config.model_copy(update={"vocab_size": vocab_size}))
-    new.to(device=param.device, dtype=param.dtype)
     state = model.state_dict()
     for name in ("wte.weight", "lm_head.weight"):
         rows = state[name]
         state[name] = torch.cat([rows, rows.mean(0, keepdim=True).expand(vocab_size - old, -1)])
-    new.load_state_dict(state)
-    return new.train(model.training)
+    return _remade(model, state, vocab_size=vocab_size)
 
 
 @torch.no_grad()
@@ -246,11 +242,17 @@ def extend_context(model: GPT, context_length: int) -> GPT:
         raise ValueError(f"a model with learned positions has weights for its {old} "
                          f"positions only and cannot read {context_length}; rotary "
                          "('rope') or sinusoidal positions can")
+    return _remade(model, model.state_dict(), context_length=context_length)
+
+
+def _remade(model: GPT, state: dict[str, Tensor], **changes: int) -> GPT:
+    """A GPT of ``model``'s config with ``changes``, holding ``state``, on ``model``'s device
+    and dtype and in its mode (training or eval)."""
     param = next(model.parameters())
     with torch.random.fork_rng(devices=[]):  # the new model's random start is overwritten
-        new = GPT(model.config.model_copy(update={"context_length": context_length}))
+        new = GPT(model.config.model_copy(update=changes))
     new.to(device=param.device, dtype=param.dtype)
-    new.load_state_dict(model.state_dict())
+    new.load_state_dict(state)
     return new.train(model.training)
 
 

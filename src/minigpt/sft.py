@@ -33,22 +33,24 @@ SFT_TRAINING: dict[str, Any] = dict(
 
 
 def encode_conversations(conversations: Sequence[Sequence[Turn]], tokenizer: Tokenizer,
-                         context_length: int) -> ExampleSet:
+                         context_length: int | None = None) -> ExampleSet:
     """The conversations as token ids (`encode_conversation`), masked to what the assistant
     says. A conversation longer than a model of ``context_length`` reads in one pass loses
     its oldest exchanges (a question and its answer) until it fits, as the chat command
-    drops them (`minigpt.chat.fit_context`)."""
+    drops them (`minigpt.chat.fit_context`); None keeps every conversation whole."""
     if not conversations:
         raise ValueError("encode_conversations needs at least one conversation")
     sequences, masks = [], []
     for k, turns in enumerate(conversations):
         ids, mask = encode_conversation(turns, tokenizer)
-        while len(ids) > context_length + 1 and len(turns) > 2:
-            turns = turns[2:]
-            ids, mask = encode_conversation(turns, tokenizer)
-        if len(ids) > context_length + 1:
-            raise ValueError(f"conversation {k}'s last exchange alone is {len(ids)} tokens; a "
-                             f"model of context {context_length} reads {context_length + 1}")
+        if context_length is not None:
+            while len(ids) > context_length + 1 and len(turns) > 2:
+                turns = turns[2:]
+                ids, mask = encode_conversation(turns, tokenizer)
+            if len(ids) > context_length + 1:
+                raise ValueError(f"conversation {k}'s last exchange alone is {len(ids)} "
+                                 f"tokens; a model of context {context_length} reads "
+                                 f"{context_length + 1}")
         sequences.append(ids)
         masks.append(mask)
     return ExampleSet(sequences, masks, pad_id=tokenizer.special_tokens[END_OF_TURN])
@@ -58,8 +60,7 @@ def encode_tasks(tasks: Sequence[Task], tokenizer: Tokenizer) -> ExampleSet:
     """The tasks as conversations of one exchange each, masked to the answers."""
     if not tasks:
         raise ValueError("encode_tasks needs at least one task")
-    longest = max(len(encode_conversation(t.conversation(), tokenizer)[0]) for t in tasks)
-    return encode_conversations([t.conversation() for t in tasks], tokenizer, longest)
+    return encode_conversations([t.conversation() for t in tasks], tokenizer)
 
 
 def finetune(model: GPT, tokenizer: CharTokenizer | BPETokenizer, train_tasks: Sequence[Task],
