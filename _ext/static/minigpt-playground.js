@@ -482,8 +482,6 @@
       controls.model.appendChild(element("option", {value, text: label}));
     }
     controls.model.value = preset.model || "book";
-    // A prompt left as a model's first prompt follows the model chosen (the assistant
-    // answers questions; the others continue a speech).
     const write = element("button", {type: "submit", class: "btn btn-primary", text: "Write"});
     const stop = element("button", {type: "button", class: "btn btn-secondary", text: "Stop"});
     stop.disabled = true;
@@ -505,6 +503,8 @@
       heatmap.hidden = true;
       status.textContent = "a new conversation: the assistant has forgotten the last one.";
     });
+    // A prompt left as a model's first prompt follows the model chosen (the assistant
+    // answers questions; the others continue a speech); a new model starts a new conversation.
     controls.model.addEventListener("change", () => {
       if (Object.values(FIRST_PROMPTS).includes(controls.prompt.value)) {
         controls.prompt.value = FIRST_PROMPTS[controls.model.value];
@@ -673,11 +673,10 @@
         "layer and the head; hovering a cell, or moving to it with the arrow keys, shows " +
         "its weight.";
       heatmap.hidden = false;
-      const view = heatmap.querySelector(".minigpt-playground-view");
       // Drawn on a canvas: an assistant's conversation of 200 tokens has 20,000 cells, which
       // as SVG elements took seconds to draw after every answer.
-      const result = await window.vegaEmbed(view, spec, {actions: false, renderer: "canvas",
-                                                         tooltip: {theme: "light"}});
+      const result = await window.vegaEmbed(cells, spec, {actions: false, renderer: "canvas",
+                                                          tooltip: {theme: "light"}});
       heatmap.minigptView = result.view;
       Object.assign(focus, {query: tokens.length - 1, key: tokens.length - 1, tokens,
                             attention: out.attention, model: loaded.model});
@@ -690,9 +689,7 @@
   window.minigptPlayground = {
     applyTemperature, topKFilter, topPFilter, nextTokenDistribution, inverseCdf,
     uniformGenerator, tokenizer, promptIds, chatIds, fitContext, session, forward,
-    nextLogits, generate,
-    heatmapSpec,
-    loadManifest, FIRST_PROMPTS,
+    nextLogits, generate, heatmapSpec, loadManifest, FIRST_PROMPTS,
   };
 
   function buildAll() {
