@@ -4,11 +4,12 @@
 # Both are idempotent: a second run reuses .venv and the verified assets.
 SHELL := /bin/bash
 # The CPU kernels every process below runs, so that set-up trains the same bits on every
-# x86-64 CPU and the chapters print the same numbers: minigpt.PINNED_CPU_KERNELS, which
+# x86-64 CPU, Intel and AMD, and the chapters print the same numbers (MKL's ",STRICT" makes
+# Intel and AMD CPUs take the same path; tests/test_same_bits.py): minigpt.PINNED_CPU_KERNELS, which
 # importing minigpt also sets; set here too for processes that run a torch operation before
 # they import minigpt (a test module, a kernel). A value already in the environment wins.
 export ATEN_CPU_CAPABILITY ?= avx2
-export MKL_CBWR ?= AVX2
+export MKL_CBWR ?= AVX2,STRICT
 export ONEDNN_MAX_CPU_ISA ?= AVX2
 # Another PyTorch than the pinned one, in a venv of its own (CI's oldest-torch job):
 #   make unit TORCH=2.9.1        # .venv-torch2.9.1: requirements.txt with torch==2.9.1
@@ -112,16 +113,20 @@ playground: setup
 
 # Headless Chromium and its driver for the browser test (Debian packages; the
 # test drives /usr/bin/chromium through /usr/bin/chromedriver, nothing is downloaded),
-# and an emoji font and a CJK one (1.8 MB), without which the PDF (make pdf) prints the
-# chapters' emoji and Japanese examples as blanks.
+# an emoji font and a CJK one (1.8 MB), without which the PDF (make pdf) prints the
+# chapters' emoji and Japanese examples as blanks, and, on x86-64, qemu-user, whose
+# qemu-x86_64 runs the venv as an Intel and as an AMD CPU would for tests/test_same_bits.py.
 EMOJI_FONT := /usr/share/fonts/truetype/noto/NotoColorEmoji.ttf
 CJK_FONT := /usr/share/fonts/truetype/droid/DroidSansFallbackFull.ttf
+SYSTEM_PACKAGES := chromium chromium-driver fonts-noto-color-emoji fonts-droid-fallback \
+	$(if $(filter x86_64,$(shell uname -m)),qemu-user)
+QEMU := $(if $(filter x86_64,$(shell uname -m)),/usr/bin/qemu-x86_64)
 system-deps:
 	@if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ] || [ ! -f $(EMOJI_FONT) ] \
-			|| [ ! -f $(CJK_FONT) ]; then \
-		echo "installing Debian's chromium, chromium-driver, fonts-noto-color-emoji and fonts-droid-fallback"; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium \
-			chromium-driver fonts-noto-color-emoji fonts-droid-fallback >/dev/null; \
+			|| [ ! -f $(CJK_FONT) ] || [ -n "$(QEMU)" -a ! -x "$(QEMU)" ]; then \
+		echo "installing Debian's $(SYSTEM_PACKAGES)"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+			$(SYSTEM_PACKAGES) >/dev/null; \
 	fi
 
 # Every chapter is executed afresh on every build (no stale outputs when only src/ changed):

@@ -60,6 +60,10 @@ def test_the_cache_key_records_the_kernels() -> None:
     material = pretrained.key_material(pretrained.DRAFT_RECIPE, "to be or not to be")
     assert material["cpu_kernels"] == torch.backends.cpu.get_cpu_capability()
     assert material["torch"] == torch.__version__
+    # MKL's mode too: without ",STRICT" an Intel CPU trains other bits (test_same_bits.py).
+    assert material["kernel_settings"] == {"MKL_CBWR": os.environ["MKL_CBWR"],
+                                           "ONEDNN_MAX_CPU_ISA": os.environ["ONEDNN_MAX_CPU_ISA"]}
+    assert os.environ["MKL_CBWR"] == "AVX2,STRICT"
 
 
 @pytest.mark.skipif(not LINUX_X86_64, reason="the stored sha256 are those of PyTorch's Linux "

@@ -9,15 +9,19 @@ the interactive figures.
 import os
 
 #: The CPU kernels every minigpt process runs, so that a seeded run trains bit-identical
-#: weights on every x86-64 CPU. PyTorch picks its vectorised kernels (ATen's), its matrix
-#: products (MKL's) and oneDNN's by the widest instructions the CPU has; AVX-512 kernels
-#: add up numbers in another order than AVX2 ones, and the trained weights then differ in
-#: their last bits, then in their samples. Pinned to AVX2, the widest set that nearly every
-#: x86-64 CPU of the last ten years has. Each is read once, at the first operation torch
-#: runs, so they are set here, before minigpt imports torch; a value already in the
-#: environment wins (set ATEN_CPU_CAPABILITY=avx512 for speed over reproducibility).
-#: Other architectures (arm64) ignore them.
-PINNED_CPU_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2",
+#: weights on every x86-64 CPU, Intel and AMD. PyTorch picks its vectorised kernels (ATen's),
+#: its matrix products (MKL's) and oneDNN's by the widest instructions the CPU has; AVX-512
+#: kernels add up numbers in another order than AVX2 ones, and the trained weights then
+#: differ in their last bits, then in their samples. Pinned to AVX2, the widest set that
+#: nearly every x86-64 CPU of the last ten years has. MKL also chooses its code path by the
+#: CPU's vendor: with AVX2 alone an Intel CPU trains other bits than an AMD one, and
+#: ",STRICT" (its strict conditional-reproducibility mode) makes them agree
+#: (tests/test_same_bits.py proves it under emulated Intel and AMD CPUs). What the pins cost
+#: is measured in the README ("What reproduces where"). Each is read once, at the first
+#: operation torch runs, so they are set here, before minigpt imports torch; a value already
+#: in the environment wins (set ATEN_CPU_CAPABILITY=avx512 MKL_CBWR=AUTO for speed over
+#: reproducibility). Other architectures (arm64) ignore them.
+PINNED_CPU_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2,STRICT",
                       "ONEDNN_MAX_CPU_ISA": "AVX2"}
 for _name, _value in PINNED_CPU_KERNELS.items():
     os.environ.setdefault(_name, _value)

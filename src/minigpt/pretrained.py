@@ -35,6 +35,7 @@ import hashlib
 import io
 import json
 import logging
+import os
 import shutil
 import sys
 import time
@@ -50,6 +51,7 @@ import torch
 from filelock import FileLock
 from tqdm import tqdm
 
+from minigpt import PINNED_CPU_KERNELS
 from minigpt.config import MODERN_LAYOUT, MODERN_TRAINING, GPTConfig, TrainConfig
 from minigpt.data import shakespeare_text, split_text
 from minigpt.files import atomic_write, cache_dir, sha256_file
@@ -184,12 +186,15 @@ def source_sha256(modules: tuple[str, ...]) -> str:
     return digest.hexdigest()
 
 
-def environment() -> dict[str, str]:
+def environment() -> dict[str, Any]:
     """What of the software and CPU determines the weights besides the recipe: the PyTorch
-    version and the kernels it runs (`minigpt.PINNED_CPU_KERNELS`; a process whose first
-    torch operation ran before minigpt was imported runs the CPU's widest kernels)."""
+    version, the kernels it runs and MKL's and oneDNN's settings (`minigpt.PINNED_CPU_KERNELS`;
+    a process whose first torch operation ran before minigpt was imported runs the CPU's
+    widest kernels)."""
     return {"torch": torch.__version__,
-            "cpu_kernels": torch.backends.cpu.get_cpu_capability()}
+            "cpu_kernels": torch.backends.cpu.get_cpu_capability(),
+            "kernel_settings": {name: os.environ.get(name) for name in sorted(
+                PINNED_CPU_KERNELS) if name != "ATEN_CPU_CAPABILITY"}}
 
 
 def cache_key(material: dict[str, Any]) -> str:
