@@ -335,3 +335,57 @@ def test_example_set_errors(seqs: list[list[int]], masks: list[list[bool]],
         ExampleSet(seqs, masks)
     with pytest.raises(ValueError, match="pad_id must be a token id"):
         ExampleSet([[1, 2]], [[False, True]], pad_id=-1)
+
+
+def _varied_examples(n: int = 60) -> ExampleSet:
+    """n sequences of lengths 2 to 31 (each length twice, shuffled), buckets of 6 by length."""
+    lengths = [2 + (k * 7) % 30 for k in range(n)]
+    return ExampleSet([[1] * m for m in lengths], [[False] + [True] * (m - 1) for m in lengths],
+                      length_buckets=6)
+
+
+def test_one_bucket_draws_rows_as_before() -> None:
+    # length_buckets=1 (the default) draws B rows uniformly in one call: the batches of
+    # every model trained before buckets existed are unchanged.
+    data = _varied_examples()
+    plain = ExampleSet(data.sequences, data.masks)
+    got = plain.get_batch(8, 64, generator=torch.Generator().manual_seed(3))
+    rows = torch.randint(0, 60, (8,), generator=torch.Generator().manual_seed(3)).tolist()
+    assert torch.equal(got.x, plain.batch(rows).x)
+
+
+def test_a_bucketed_batch_holds_sequences_of_similar_length() -> None:
+    data = _varied_examples()
+    assert [len(b) for b in data.buckets] == [10] * 6
+    # Buckets hold consecutive lengths: every length of bucket b is <= every one of b + 1.
+    spans = [[len(data.sequences[k]) for k in b.tolist()] for b in data.buckets]
+    assert all(max(a) <= min(b) for a, b in zip(spans, spans[1:], strict=False))
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        batch = data.get_batch(8, 64, generator=generator)
+        real = batch.mask.sum(1) + 1  # one counted target per id after the first
+        assert int(real.max() - real.min()) <= 5  # a bucket spans 5 lengths here
+
+
+def test_buckets_keep_every_row_equally_likely(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A bucket is chosen through one row drawn uniformly, then the batch uniformly from it:
+    # over 3,000 batches of 8 each of the 60 rows is drawn 400 times on average. The rows of
+    # a batch share a bucket, so a row's count spreads by about 26 (20 from the draws within
+    # its bucket, 16 from how often its bucket is chosen); 5 such spreads is the bound.
+    data, picked = _varied_examples(), []
+    batch = data.batch
+    monkeypatch.setattr(data, "batch", lambda rows: (picked.extend(rows), batch(rows))[1])
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3000):
+        data.get_batch(8, 64, generator=generator)
+    counts = np.bincount(picked, minlength=60)
+    assert counts.sum() == 24_000
+    assert np.abs(counts - 400).max() < 130, counts
+
+
+@pytest.mark.parametrize("buckets", [0, 61, 2.0, True])
+def test_length_buckets_must_be_between_one_and_the_number_of_sequences(buckets: object) -> None:
+    data = _varied_examples()
+    with pytest.raises(ValueError, match="length_buckets must be an int from 1 to the number "
+                                         r"of sequences \(60\)"):
+        ExampleSet(data.sequences, data.masks, length_buckets=buckets)  # type: ignore[arg-type]

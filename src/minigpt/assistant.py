@@ -64,6 +64,10 @@ class AssistantRecipe:
             exercise 5 measures it after 100 steps: 3.6 bits per character on held-out
             text without them, 2.7 with them, against the base model's 2.3).
         dpo: DPO's settings; beta its KL weight; pair_seed the seed of the near misses.
+        length_buckets: fine-tuning draws each batch from one of this many buckets of
+            conversations of similar length (`minigpt.data.ExampleSet.get_batch`): a step
+            then reads 45 % fewer tokens, nearly all of them real, where one bucket padded
+            every conversation to the batch's longest.
         threads: torch threads while training (one: the same weights on every run).
     """
 
@@ -79,6 +83,7 @@ class AssistantRecipe:
     dpo: TrainConfig = field(default_factory=lambda: TrainConfig(**DPO_TRAINING))
     beta: float = 0.5
     pair_seed: int = 0
+    length_buckets: int = 16
     threads: int = 1
 
 
@@ -99,7 +104,7 @@ def _material(kind: str, parent: ModelInfo, model_config: dict[str, Any],
             "parent": parent.key, "model_config": model_config, "train_config": config.model_dump(),
             "tasks": [recipe.n_train, recipe.n_test, recipe.task_seed],
             "replay": [recipe.replay, recipe.replay_chars],
-            "conversations": [recipe.context_length, recipe.max_turns],
+            "conversations": [recipe.context_length, recipe.max_turns, recipe.length_buckets],
             "threads": recipe.threads, **pretrained.environment()} | more
 
 
@@ -131,6 +136,7 @@ def sft_model(seed: int = 0, *, progress: bool = False, recipe: AssistantRecipe 
             result, chat = finetune(base, tokenizer, tasks.train, tasks.test, config,
                                     replay=replay, max_turns=recipe.max_turns,
                                     context_length=recipe.context_length,
+                                    length_buckets=recipe.length_buckets,
                                     log=say if progress else None,
                                     **_say_training(progress))
             em = exact_match(result.model, chat, tasks.test)

@@ -65,8 +65,8 @@ def encode_tasks(tasks: Sequence[Task], tokenizer: Tokenizer) -> ExampleSet:
 
 def finetune(model: GPT, tokenizer: CharTokenizer | BPETokenizer, train_tasks: Sequence[Task],
              val_tasks: Sequence[Task], config: TrainConfig, *, replay: Sequence[str] = (),
-             max_turns: int = 1, context_length: int | None = None, **train_args: Any,
-             ) -> tuple[TrainResult, CharTokenizer | BPETokenizer]:
+             max_turns: int = 1, context_length: int | None = None, length_buckets: int = 1,
+             **train_args: Any) -> tuple[TrainResult, CharTokenizer | BPETokenizer]:
     """Give a base model the chat tokens (`add_chat_tokens`) and train it on the tasks'
     answers with `minigpt.train.train` (``train_args`` go to it); the base model is not
     changed. Returns the run's result (``.model`` is the fine-tuned model) and the chat
@@ -78,7 +78,9 @@ def finetune(model: GPT, tokenizer: CharTokenizer | BPETokenizer, train_tasks: S
     fine-tuned model reads this many tokens (`extend_context`; default: the base model's).
     ``replay``: plain texts (e.g. `text_windows` of the pre-training text) mixed into the
     training examples, every target of each counted: without them the model, trained on
-    answers alone, forgets how to continue text.
+    answers alone, forgets how to continue text. ``length_buckets``: each batch is drawn
+    from one of this many buckets of training examples of similar length
+    (`ExampleSet.get_batch`), so that it carries little padding.
     """
     chat_model, chat = add_chat_tokens(model, tokenizer)
     if context_length is not None:
@@ -86,11 +88,10 @@ def finetune(model: GPT, tokenizer: CharTokenizer | BPETokenizer, train_tasks: S
     T = chat_model.config.context_length
     data = encode_conversations(conversations(train_tasks, max_turns, seed=config.seed),
                                 chat, T)
-    if replay:
-        plain = [chat.encode_ordinary(t) for t in replay]
-        data = ExampleSet([s.tolist() for s in data.sequences] + plain,
-                          [m.tolist() for m in data.masks] + [[True] * len(p) for p in plain],
-                          pad_id=data.pad_id)
+    plain = [chat.encode_ordinary(t) for t in replay]
+    data = ExampleSet([s.tolist() for s in data.sequences] + plain,
+                      [m.tolist() for m in data.masks] + [[True] * len(p) for p in plain],
+                      pad_id=data.pad_id, length_buckets=length_buckets)
     val = encode_conversations(conversations(val_tasks, max_turns, seed=0), chat, T)
     result = train(chat_model, config, data, val, tokenizer=chat, **train_args)
     return result, chat
