@@ -699,8 +699,8 @@ def test_the_device_reaches_the_model_and_the_training(
     seen: list[object] = []
     real_load = minigpt.cli.load_model
 
-    def load(path: Path, *, device: str) -> Any:
-        seen.append(device)
+    def load(path: Path, *, device: str | torch.device) -> Any:
+        seen.append(str(device))
         return real_load(path, device="cpu")
 
     def trainer(*args: Any, **kwargs: Any) -> Any:
@@ -721,6 +721,46 @@ def test_the_device_reaches_the_model_and_the_training(
     main([command, "--checkpoint", str(start), "--device", "cuda:1", *extra])
     assert seen == {"sft": ["cuda:1"] * 3, "dpo": ["cuda:1"] * 3,
                     "eval": ["cuda:1", "table"], "chat": ["cuda:1"]}[command]
+
+
+@pytest.mark.parametrize("command", ["sft", "dpo"])
+def test_a_rank_joins_its_group_before_loading_the_model_onto_its_gpu(
+        command: str, runs: dict[str, Path], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1 of 2 under torchrun with --device cuda: joining the process group gives it
+    GPU cuda:1, and only then is the model loaded, there. Loaded before, every rank's model
+    (and DPO's frozen reference, a copy of it) would sit on GPU 0."""
+    import minigpt.cli
+    from minigpt.parallel import DistContext
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    events: list[tuple[str, str]] = []
+    real_load = minigpt.cli.load_model
+
+    def join(device: str, backend: str | None = None) -> DistContext:
+        events.append(("join", device))
+        return DistContext(rank=1, local_rank=1, world_size=2, backend="nccl",
+                           device=torch.device("cuda", 1))
+
+    def load(path: Path, *, device: str | torch.device) -> Any:
+        events.append(("load", str(device)))
+        return real_load(path, device="cpu")
+
+    def trainer(*args: Any, **kwargs: Any) -> Any:
+        events.append(("train", str(kwargs["ctx"].device)))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(minigpt.parallel, "init_distributed", join)
+    monkeypatch.setattr(minigpt.parallel, "shutdown", lambda ctx: events.append(("leave", "")))
+    monkeypatch.setattr(minigpt.cli, "load_model", load)
+    monkeypatch.setattr(minigpt.cli, "finetune", trainer)
+    monkeypatch.setattr(minigpt.cli, "train_dpo", trainer)
+    start = runs["base"] if command == "sft" else runs["sft"]
+    extra = ["--context-length", "64"] if command == "sft" else []
+    assert main([command, "--checkpoint", str(start), "--device", "cuda", "--text",
+                 str(runs["text"]), "--out", str(tmp_path), *TUNE, *extra]) == 130
+    assert events == [("join", "cuda"), ("load", "cuda:1"), ("train", "cuda:1"), ("leave", "")]
 
 
 @pytest.mark.slow

@@ -438,16 +438,17 @@ def pretrained_command(given: dict[str, Any], argv: list[str]) -> int:
 
 def sft_command(given: dict[str, Any], argv: list[str]) -> int:
     s = SftSettings(**given)
-    base, tokenizer, name = load_any(s, "modern")
-    if CHAT_TOKENS[0] in tokenizer.special_tokens:
-        raise ValueError(f"{name} already has the chat tokens; sft starts from a base model")
-    T = base.config.context_length
-    if s.context_length != T and base.config.positional == "learned":
-        raise ValueError(f"{name} has learned positions, weights for exactly {T} of them: "
-                         f"pass --context-length {T}, or start from a model with rotary "
-                         "positions (--model modern) to read a longer context")
-    tasks = _tasks(s)
+    # Joining the process group first gives each rank its GPU (cuda:LOCAL_RANK) to load onto.
     with _processes(s.device) as ctx:
+        base, tokenizer, name = load_any(s, "modern", ctx.device)
+        if CHAT_TOKENS[0] in tokenizer.special_tokens:
+            raise ValueError(f"{name} already has the chat tokens; sft starts from a base model")
+        T = base.config.context_length
+        if s.context_length != T and base.config.positional == "learned":
+            raise ValueError(f"{name} has learned positions, weights for exactly {T} of them: "
+                             f"pass --context-length {T}, or start from a model with rotary "
+                             "positions (--model modern) to read a longer context")
+        tasks = _tasks(s)
         result, chat = finetune(base, tokenizer, tasks.train, tasks.test,  # type: ignore[arg-type]
                                 _config(SFT_TRAINING, s), max_turns=s.max_turns,
                                 context_length=s.context_length, out_dir=s.out,
@@ -460,10 +461,11 @@ def sft_command(given: dict[str, Any], argv: list[str]) -> int:
 
 def dpo_command(given: dict[str, Any], argv: list[str]) -> int:
     s = DpoSettings(**given)
-    policy, tokenizer, name = load_any(s, "sft-0")
-    require_chat(tokenizer, name)
-    tasks = _tasks(s)
+    # As sft: the policy, and the frozen reference copied from it, on this rank's GPU.
     with _processes(s.device) as ctx:
+        policy, tokenizer, name = load_any(s, "sft-0", ctx.device)
+        require_chat(tokenizer, name)
+        tasks = _tasks(s)
         result, _ = train_dpo(policy, tokenizer, make_pairs(tasks.train, seed=0),
                               make_pairs(tasks.test, seed=1), _config(DPO_TRAINING, s),
                               beta=s.beta, out_dir=s.out, progress=not s.quiet, ctx=ctx)
@@ -494,15 +496,18 @@ def chat_command(given: dict[str, Any], argv: list[str]) -> int:
     return 0
 
 
-def load_any(s: ModelSettings, default: str) -> tuple[GPT, Tokenizer, str]:
-    """The model of ``--checkpoint`` or ``--model`` (``default`` if neither) on
-    ``--device``, its tokenizer and a name for it."""
+def load_any(s: ModelSettings, default: str, device: torch.device | str | None = None,
+             ) -> tuple[GPT, Tokenizer, str]:
+    """The model of ``--checkpoint`` or ``--model`` (``default`` if neither) on ``device``
+    (default: ``--device``; a rank of a process group passes its own), its tokenizer and a
+    name for it."""
+    device = s.device if device is None else device
     if s.checkpoint is not None:
-        model, tokenizer, _ = load_model(s.checkpoint, device=s.device)
+        model, tokenizer, _ = load_model(s.checkpoint, device=device)
         return model, tokenizer, s.checkpoint.name or str(s.checkpoint)
     name = s.model or default
     model, tokenizer, _ = assistant.MODELS[name]()
-    return model.to(s.device), tokenizer, name
+    return model.to(device), tokenizer, name
 
 
 def require_chat(tokenizer: Tokenizer, where: str) -> None:
