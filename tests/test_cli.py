@@ -6,6 +6,7 @@ device this machine lacks, a backend the resumed run's device cannot use)."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -619,6 +620,31 @@ def test_eval_prints_the_table(runs: dict[str, Path], capsys: pytest.CaptureFixt
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[:4] == ["model", "mc_summed", "mc_per_char", "bpc"]
     assert [line.split()[0] for line in lines[1:]] == ["chance", "unigram", "bigram", "dpo"]
+
+
+def test_eval_scores_the_tasks_the_assistants_hold_out(
+        runs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the corpus set-up uses and with its task settings, `eval` scores exactly
+    `assistant_tasks().test` (with `.train` as the shots): tasks made from the base model's
+    training split, none of them a question the assistants trained on. Made from the whole
+    text instead, a third of the held-out questions of the book's corpus were trained on."""
+    import minigpt.cli
+    from minigpt import assistant, data, pretrained
+
+    monkeypatch.setattr(pretrained, "corpus", play)  # a tiny corpus for both
+    monkeypatch.setattr(data, "shakespeare_text", play)
+    given: dict[str, Any] = {}
+    monkeypatch.setattr(minigpt.cli, "benchmark_table",
+                        lambda models, text, **kwargs: given.update(kwargs) or [])
+    monkeypatch.setattr(minigpt.cli, "format_table", lambda rows: "")
+    recipe = dataclasses.replace(assistant.ASSISTANT_RECIPE, n_train=20, n_test=5)
+    assert main(["eval", "--checkpoint", str(runs["sft"]), "--n-train", "20",
+                 "--n-test", "5"]) == 0
+    expected = assistant.assistant_tasks(recipe)
+    assert given["tasks"] == expected.test and given["shots"] == expected.train
+    defaults, book = minigpt.cli.EvalSettings(), assistant.ASSISTANT_RECIPE
+    assert (defaults.n_train, defaults.n_test, defaults.task_seed) == (
+        book.n_train, book.n_test, book.task_seed)  # the command's defaults are set-up's
 
 
 @pytest.mark.parametrize("argv, code, message", [

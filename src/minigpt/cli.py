@@ -41,7 +41,7 @@ from minigpt.files import atomic_write
 from minigpt.model import GPT
 from minigpt.sample import Device, SampleSettings, load_model, sample_texts
 from minigpt.sft import SFT_TRAINING, finetune
-from minigpt.tasks import TaskSplit, exact_match, make_tasks
+from minigpt.tasks import TaskSplit, exact_match
 from minigpt.tokenizer import CHAT_TOKENS, KINDS, Tokenizer
 from minigpt.train import METRICS_NAME, saved_settings, train, with_global_batch, write_metrics
 
@@ -260,9 +260,11 @@ class ChatSettings(ModelSettings):
 
 
 class TaskSettings(ModelSettings):
-    """The model and the tasks (`minigpt.tasks.make_tasks`) it learns from or is scored on."""
+    """The model and the tasks it learns from or is scored on (`minigpt.assistant.seen_tasks`:
+    made from the part of the text a base model trains on, as set-up makes the assistants')."""
 
-    text: Path | None = Field(None, description="UTF-8 plays to make tasks from (default: "
+    text: Path | None = Field(None, description="UTF-8 plays to make tasks from, their first "
+                              f"{ASSISTANT_RECIPE.base.train_fraction:.0%} (default: "
                               "Shakespeare's)")
     n_train: int = Field(ASSISTANT_RECIPE.n_train, ge=1, description="training tasks a family")
     n_test: int = Field(ASSISTANT_RECIPE.n_test, ge=1, description="held-out tasks a family")
@@ -479,7 +481,7 @@ def eval_command(given: dict[str, Any], argv: list[str]) -> int:
     s = EvalSettings(**given)
     model, tokenizer, name = load_any(s, "sft-0")
     text = _text(s)
-    tasks = make_tasks(text, s.n_train, s.n_test, seed=s.task_seed)
+    tasks = _tasks(s, text)
     print(format_table(benchmark_table({name: (model, tokenizer)}, text, n_items=s.items,
                                        tasks=tasks.test, shots=tasks.train)))
     return 0
@@ -521,8 +523,11 @@ def _text(s: TaskSettings) -> str:
     return data.shakespeare_text() if s.text is None else data.read_text(s.text)
 
 
-def _tasks(s: TaskSettings) -> TaskSplit:
-    return make_tasks(_text(s), s.n_train, s.n_test, seed=s.task_seed)
+def _tasks(s: TaskSettings, text: str | None = None) -> TaskSplit:
+    """The tasks of ``--text`` (or ``text``, read from it already), made as the assistants'
+    are (`minigpt.assistant.seen_tasks`): from the part of the text a base model trained on."""
+    return assistant.seen_tasks(_text(s) if text is None else text, s.n_train, s.n_test,
+                                seed=s.task_seed)
 
 
 def _config(recipe: dict[str, Any], s: TuningSettings) -> TrainConfig:
