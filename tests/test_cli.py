@@ -789,6 +789,37 @@ def test_a_rank_joins_its_group_before_loading_the_model_onto_its_gpu(
     assert events == [("join", "cuda"), ("load", "cuda:1"), ("train", "cuda:1"), ("leave", "")]
 
 
+@pytest.mark.parametrize("command", ["sft", "dpo"])
+def test_sft_and_dpo_keep_the_thread_count_unless_told(
+        command: str, runs: dict[str, Path], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without --threads a run keeps the process's torch threads (3 here); with it, the
+    run has that many and the count before comes back after (the run stops where training
+    would start)."""
+    import minigpt.cli
+
+    seen: list[int] = []
+
+    def trainer(*args: Any, **kwargs: Any) -> Any:
+        seen.append(torch.get_num_threads())
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(minigpt.cli, "finetune", trainer)
+    monkeypatch.setattr(minigpt.cli, "train_dpo", trainer)
+    start = runs["base"] if command == "sft" else runs["sft"]
+    extra = ["--context-length", "64"] if command == "sft" else []
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        for threads in ([], ["--threads", "2"]):
+            assert main([command, "--checkpoint", str(start), "--text", str(runs["text"]),
+                         "--out", str(tmp_path), *TUNE, *extra, *threads]) == 130
+            seen.append(torch.get_num_threads())
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [3, 3, 2, 3]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("command", ["sft", "dpo"])
 def test_under_torchrun_two_processes_train_and_rank_zero_writes(

@@ -20,7 +20,7 @@ import re
 import sys
 import types
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
@@ -29,7 +29,7 @@ from pydantic import AfterValidator, BaseModel, Field, ValidationError, model_va
 from pydantic_core import PydanticUndefined
 from tqdm import tqdm
 
-from minigpt import assets, assistant, data, parallel
+from minigpt import assets, assistant, data, parallel, pretrained
 from minigpt.assistant import ASSISTANT_RECIPE
 from minigpt.bpe import get_tokenizer
 from minigpt.chat import chat_loop
@@ -284,6 +284,8 @@ class TuningSettings(TaskSettings):
     lr: float = Field(SFT_TRAINING["lr"], gt=0, description="peak learning rate (a tenth "
                       "of it at the end)")
     seed: int = Field(SFT_TRAINING["seed"], ge=0, description="training seed")
+    threads: int | None = Field(None, ge=1, description="torch.set_num_threads (default: "
+                                "PyTorch's)")
     quiet: bool = Field(False, description="no progress bar")
 
 
@@ -441,7 +443,7 @@ def pretrained_command(given: dict[str, Any], argv: list[str]) -> int:
 def sft_command(given: dict[str, Any], argv: list[str]) -> int:
     s = SftSettings(**given)
     # Joining the process group first gives each rank its GPU (cuda:LOCAL_RANK) to load onto.
-    with _processes(s.device) as ctx:
+    with _processes(s.device, s.threads) as ctx:
         base, tokenizer, name = load_any(s, "modern", ctx.device)
         if CHAT_TOKENS[0] in tokenizer.special_tokens:
             raise ValueError(f"{name} already has the chat tokens; sft starts from a base model")
@@ -464,7 +466,7 @@ def sft_command(given: dict[str, Any], argv: list[str]) -> int:
 def dpo_command(given: dict[str, Any], argv: list[str]) -> int:
     s = DpoSettings(**given)
     # As sft: the policy, and the frozen reference copied from it, on this rank's GPU.
-    with _processes(s.device) as ctx:
+    with _processes(s.device, s.threads) as ctx:
         policy, tokenizer, name = load_any(s, "sft-0", ctx.device)
         require_chat(tokenizer, name)
         tasks = _tasks(s)
@@ -539,15 +541,19 @@ def _config(recipe: dict[str, Any], s: TuningSettings) -> TrainConfig:
 
 
 @contextmanager
-def _processes(device: str) -> Iterator[parallel.DistContext]:
-    """This process's place in the run (a process group if torchrun started it), on one
-    thread as set-up trains the cached assistants (the same weights); shut down after."""
-    torch.set_num_threads(1)
-    ctx = parallel.init_distributed(device)
-    try:
-        yield ctx
-    finally:
-        parallel.shutdown(ctx)
+def _processes(device: str, threads: int | None = None) -> Iterator[parallel.DistContext]:
+    """This process's place in the run (a process group if torchrun started it), shut down
+    after; with ``threads``, that many torch threads for the run (the count before comes
+    back after)."""
+    # Only set-up pins the thread count (`pretrained.threads`), for cached weights that are
+    # the same bits on every run; a user's run keeps PyTorch's default (every core; one a
+    # rank under torchrun, which sets OMP_NUM_THREADS) unless --threads says otherwise.
+    with pretrained.threads(threads) if threads is not None else nullcontext():
+        ctx = parallel.init_distributed(device)
+        try:
+            yield ctx
+        finally:
+            parallel.shutdown(ctx)
 
 
 def _write(out: Path, metrics: dict[str, Any]) -> None:
