@@ -6,6 +6,7 @@ device this machine lacks, a backend the resumed run's device cannot use)."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -621,6 +622,31 @@ def test_eval_prints_the_table(runs: dict[str, Path], capsys: pytest.CaptureFixt
     assert [line.split()[0] for line in lines[1:]] == ["chance", "unigram", "bigram", "dpo"]
 
 
+def test_eval_scores_the_tasks_the_assistants_hold_out(
+        runs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the corpus set-up uses and with its task settings, `eval` scores exactly
+    `assistant_tasks().test` (with `.train` as the shots): tasks made from the base model's
+    training split, none of them a question the assistants trained on. Made from the whole
+    text instead, a third of the held-out questions of the book's corpus were trained on."""
+    import minigpt.cli
+    from minigpt import assistant, data, pretrained
+
+    monkeypatch.setattr(pretrained, "corpus", play)  # a tiny corpus for both
+    monkeypatch.setattr(data, "shakespeare_text", play)
+    given: dict[str, Any] = {}
+    monkeypatch.setattr(minigpt.cli, "benchmark_table",
+                        lambda models, text, **kwargs: given.update(kwargs) or [])
+    monkeypatch.setattr(minigpt.cli, "format_table", lambda rows: "")
+    recipe = dataclasses.replace(assistant.ASSISTANT_RECIPE, n_train=20, n_test=5)
+    assert main(["eval", "--checkpoint", str(runs["sft"]), "--n-train", "20",
+                 "--n-test", "5"]) == 0
+    expected = assistant.assistant_tasks(recipe)
+    assert given["tasks"] == expected.test and given["shots"] == expected.train
+    defaults, book = minigpt.cli.EvalSettings(), assistant.ASSISTANT_RECIPE
+    assert (defaults.n_train, defaults.n_test, defaults.task_seed) == (
+        book.n_train, book.n_test, book.task_seed)  # the command's defaults are set-up's
+
+
 @pytest.mark.parametrize("argv, code, message", [
     (["chat", "--checkpoint", "{base}"], 1, "base has no chat tokens (<|user|>, "
                                             "<|assistant|>, <|end|> missing): it is a base model"),
@@ -699,8 +725,8 @@ def test_the_device_reaches_the_model_and_the_training(
     seen: list[object] = []
     real_load = minigpt.cli.load_model
 
-    def load(path: Path, *, device: str) -> Any:
-        seen.append(device)
+    def load(path: Path, *, device: str | torch.device) -> Any:
+        seen.append(str(device))
         return real_load(path, device="cpu")
 
     def trainer(*args: Any, **kwargs: Any) -> Any:
@@ -721,6 +747,77 @@ def test_the_device_reaches_the_model_and_the_training(
     main([command, "--checkpoint", str(start), "--device", "cuda:1", *extra])
     assert seen == {"sft": ["cuda:1"] * 3, "dpo": ["cuda:1"] * 3,
                     "eval": ["cuda:1", "table"], "chat": ["cuda:1"]}[command]
+
+
+@pytest.mark.parametrize("command", ["sft", "dpo"])
+def test_a_rank_joins_its_group_before_loading_the_model_onto_its_gpu(
+        command: str, runs: dict[str, Path], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1 of 2 under torchrun with --device cuda: joining the process group gives it
+    GPU cuda:1, and only then is the model loaded, there. Loaded before, every rank's model
+    (and DPO's frozen reference, a copy of it) would sit on GPU 0."""
+    import minigpt.cli
+    from minigpt.parallel import DistContext
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    events: list[tuple[str, str]] = []
+    real_load = minigpt.cli.load_model
+
+    def join(device: str, backend: str | None = None) -> DistContext:
+        events.append(("join", device))
+        return DistContext(rank=1, local_rank=1, world_size=2, backend="nccl",
+                           device=torch.device("cuda", 1))
+
+    def load(path: Path, *, device: str | torch.device) -> Any:
+        events.append(("load", str(device)))
+        return real_load(path, device="cpu")
+
+    def trainer(*args: Any, **kwargs: Any) -> Any:
+        events.append(("train", str(kwargs["ctx"].device)))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(minigpt.parallel, "init_distributed", join)
+    monkeypatch.setattr(minigpt.parallel, "shutdown", lambda ctx: events.append(("leave", "")))
+    monkeypatch.setattr(minigpt.cli, "load_model", load)
+    monkeypatch.setattr(minigpt.cli, "finetune", trainer)
+    monkeypatch.setattr(minigpt.cli, "train_dpo", trainer)
+    start = runs["base"] if command == "sft" else runs["sft"]
+    extra = ["--context-length", "64"] if command == "sft" else []
+    assert main([command, "--checkpoint", str(start), "--device", "cuda", "--text",
+                 str(runs["text"]), "--out", str(tmp_path), *TUNE, *extra]) == 130
+    assert events == [("join", "cuda"), ("load", "cuda:1"), ("train", "cuda:1"), ("leave", "")]
+
+
+@pytest.mark.parametrize("command", ["sft", "dpo"])
+def test_sft_and_dpo_keep_the_thread_count_unless_told(
+        command: str, runs: dict[str, Path], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without --threads a run keeps the process's torch threads (3 here); with it, the
+    run has that many and the count before comes back after (the run stops where training
+    would start)."""
+    import minigpt.cli
+
+    seen: list[int] = []
+
+    def trainer(*args: Any, **kwargs: Any) -> Any:
+        seen.append(torch.get_num_threads())
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(minigpt.cli, "finetune", trainer)
+    monkeypatch.setattr(minigpt.cli, "train_dpo", trainer)
+    start = runs["base"] if command == "sft" else runs["sft"]
+    extra = ["--context-length", "64"] if command == "sft" else []
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        for threads in ([], ["--threads", "2"]):
+            assert main([command, "--checkpoint", str(start), "--text", str(runs["text"]),
+                         "--out", str(tmp_path), *TUNE, *extra, *threads]) == 130
+            seen.append(torch.get_num_threads())
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [3, 3, 2, 3]
 
 
 @pytest.mark.slow

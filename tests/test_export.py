@@ -120,8 +120,22 @@ def test_the_written_out_attention_is_exported() -> None:
 @pytest.mark.parametrize("length", [0, 1, 32])  # 32 new after 33 cached: 65 > 64
 def test_an_example_that_would_fix_the_length_is_refused(length: int,
                                                          tmp_path: Path) -> None:
-    with pytest.raises(AssertionError, match="example_length must lie in"):
+    with pytest.raises(ValueError, match=rf"example_length must be an int in \[2, 31\] for "
+                       rf"a context of 64 .*, got {length}$"):
         export_onnx(_model("gpt2"), tmp_path / "m.onnx", example_length=length)
+    assert not (tmp_path / "m.onnx").exists()
+
+
+def test_export_and_check_give_the_model_back_in_its_mode(tmp_path: Path) -> None:
+    """A model in training mode, with dropout, is exported and checked in eval mode (the
+    check compares with the model's forward pass without dropout) and comes back training."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=11, context_length=16, d_model=16, n_heads=2,
+                          n_layers=1, dropout=0.5)).train()
+    path = export_onnx(model, tmp_path / "m.onnx", example_length=2)
+    assert model.training and all(m.training for m in model.modules())
+    check_onnx(path, model, [[1, 2, 3, 4], [5]])
+    assert model.training and all(m.training for m in model.modules())
 
 
 def test_prompt_ids_use_the_chat_format_for_the_assistant() -> None:

@@ -262,6 +262,35 @@ def test_train_accepts_a_model(data: tuple[np.ndarray, np.ndarray]) -> None:
     assert result.model is model
 
 
+def test_a_gpu_run_uses_tf32_from_python_as_from_the_command_line(
+        data: tuple[np.ndarray, np.ndarray], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Float32 products on a CUDA GPU may use TF32, whether the run is the command line's
+    (`init_distributed`) or `train` called from Python, decided before the model reaches
+    the GPU; a CPU run leaves the precision at "highest". No GPU here: the run on "cuda"
+    stops where the model would move."""
+    from minigpt.parallel import init_distributed
+
+    class Moved(Exception):
+        pass
+
+    def move(self: GPT, *args: object, **kwargs: object) -> GPT:
+        raise Moved
+
+    calls: list[str] = []
+    monkeypatch.setattr(torch, "set_float32_matmul_precision", calls.append)
+    train(tiny_config(), run_config(max_steps=1, warmup_steps=1), *data, progress=False)
+    assert calls == []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(GPT, "to", move)
+    with pytest.raises(Moved):
+        train(tiny_config(), run_config(device="cuda"), *data, progress=False)
+    assert calls == ["high"]
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    init_distributed("cuda")
+    assert calls == ["high", "high"]
+
+
 @pytest.mark.parametrize(
     ("call", "error", "message"),
     [

@@ -94,8 +94,18 @@ def assistant_tasks(recipe: AssistantRecipe = ASSISTANT_RECIPE) -> TaskSplit:
     """The tasks the assistants learn from (``.train``) and are scored on (``.test``), both
     made from the base model's training text: the held-out text, which the benchmark and
     bits per character read, stays unseen by every assistant."""
-    seen = split_text(pretrained.corpus(), recipe.base.train_fraction)[0]
-    return make_tasks(seen, recipe.n_train, recipe.n_test, seed=recipe.task_seed)
+    return seen_tasks(pretrained.corpus(), recipe.n_train, recipe.n_test,
+                      seed=recipe.task_seed, train_fraction=recipe.base.train_fraction)
+
+
+def seen_tasks(text: str, n_train: int, n_test: int, *, seed: int,
+               train_fraction: float = ASSISTANT_RECIPE.base.train_fraction) -> TaskSplit:
+    """`make_tasks` of the first ``train_fraction`` of ``text`` (`split_text`), the part a
+    base model trained on. The assistants' tasks and the command line's (`minigpt.cli`'s
+    sft, dpo and eval) are made here alone, so that with the same text and settings the
+    command scores the very held-out tasks set-up scored, none of them trained on."""
+    seen = split_text(text, train_fraction)[0]
+    return make_tasks(seen, n_train, n_test, seed=seed)
 
 
 def _material(kind: str, parent: ModelInfo, model_config: dict[str, Any],

@@ -20,7 +20,7 @@ import re
 import sys
 import types
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
@@ -29,7 +29,7 @@ from pydantic import AfterValidator, BaseModel, Field, ValidationError, model_va
 from pydantic_core import PydanticUndefined
 from tqdm import tqdm
 
-from minigpt import assets, assistant, data, parallel
+from minigpt import assets, assistant, data, parallel, pretrained
 from minigpt.assistant import ASSISTANT_RECIPE
 from minigpt.bpe import get_tokenizer
 from minigpt.chat import chat_loop
@@ -41,7 +41,7 @@ from minigpt.files import atomic_write
 from minigpt.model import GPT
 from minigpt.sample import Device, SampleSettings, load_model, sample_texts
 from minigpt.sft import SFT_TRAINING, finetune
-from minigpt.tasks import TaskSplit, exact_match, make_tasks
+from minigpt.tasks import TaskSplit, exact_match
 from minigpt.tokenizer import CHAT_TOKENS, KINDS, Tokenizer
 from minigpt.train import METRICS_NAME, saved_settings, train, with_global_batch, write_metrics
 
@@ -260,9 +260,11 @@ class ChatSettings(ModelSettings):
 
 
 class TaskSettings(ModelSettings):
-    """The model and the tasks (`minigpt.tasks.make_tasks`) it learns from or is scored on."""
+    """The model and the tasks it learns from or is scored on (`minigpt.assistant.seen_tasks`:
+    made from the part of the text a base model trains on, as set-up makes the assistants')."""
 
-    text: Path | None = Field(None, description="UTF-8 plays to make tasks from (default: "
+    text: Path | None = Field(None, description="UTF-8 plays to make tasks from, their first "
+                              f"{ASSISTANT_RECIPE.base.train_fraction:.0%} (default: "
                               "Shakespeare's)")
     n_train: int = Field(ASSISTANT_RECIPE.n_train, ge=1, description="training tasks a family")
     n_test: int = Field(ASSISTANT_RECIPE.n_test, ge=1, description="held-out tasks a family")
@@ -282,6 +284,8 @@ class TuningSettings(TaskSettings):
     lr: float = Field(SFT_TRAINING["lr"], gt=0, description="peak learning rate (a tenth "
                       "of it at the end)")
     seed: int = Field(SFT_TRAINING["seed"], ge=0, description="training seed")
+    threads: int | None = Field(None, ge=1, description="torch.set_num_threads (default: "
+                                "PyTorch's)")
     quiet: bool = Field(False, description="no progress bar")
 
 
@@ -438,16 +442,17 @@ def pretrained_command(given: dict[str, Any], argv: list[str]) -> int:
 
 def sft_command(given: dict[str, Any], argv: list[str]) -> int:
     s = SftSettings(**given)
-    base, tokenizer, name = load_any(s, "modern")
-    if CHAT_TOKENS[0] in tokenizer.special_tokens:
-        raise ValueError(f"{name} already has the chat tokens; sft starts from a base model")
-    T = base.config.context_length
-    if s.context_length != T and base.config.positional == "learned":
-        raise ValueError(f"{name} has learned positions, weights for exactly {T} of them: "
-                         f"pass --context-length {T}, or start from a model with rotary "
-                         "positions (--model modern) to read a longer context")
-    tasks = _tasks(s)
-    with _processes(s.device) as ctx:
+    # Joining the process group first gives each rank its GPU (cuda:LOCAL_RANK) to load onto.
+    with _processes(s.device, s.threads) as ctx:
+        base, tokenizer, name = load_any(s, "modern", ctx.device)
+        if CHAT_TOKENS[0] in tokenizer.special_tokens:
+            raise ValueError(f"{name} already has the chat tokens; sft starts from a base model")
+        T = base.config.context_length
+        if s.context_length != T and base.config.positional == "learned":
+            raise ValueError(f"{name} has learned positions, weights for exactly {T} of them: "
+                             f"pass --context-length {T}, or start from a model with rotary "
+                             "positions (--model modern) to read a longer context")
+        tasks = _tasks(s)
         result, chat = finetune(base, tokenizer, tasks.train, tasks.test,  # type: ignore[arg-type]
                                 _config(SFT_TRAINING, s), max_turns=s.max_turns,
                                 context_length=s.context_length, out_dir=s.out,
@@ -460,10 +465,11 @@ def sft_command(given: dict[str, Any], argv: list[str]) -> int:
 
 def dpo_command(given: dict[str, Any], argv: list[str]) -> int:
     s = DpoSettings(**given)
-    policy, tokenizer, name = load_any(s, "sft-0")
-    require_chat(tokenizer, name)
-    tasks = _tasks(s)
-    with _processes(s.device) as ctx:
+    # As sft: the policy, and the frozen reference copied from it, on this rank's GPU.
+    with _processes(s.device, s.threads) as ctx:
+        policy, tokenizer, name = load_any(s, "sft-0", ctx.device)
+        require_chat(tokenizer, name)
+        tasks = _tasks(s)
         result, _ = train_dpo(policy, tokenizer, make_pairs(tasks.train, seed=0),
                               make_pairs(tasks.test, seed=1), _config(DPO_TRAINING, s),
                               beta=s.beta, out_dir=s.out, progress=not s.quiet, ctx=ctx)
@@ -477,7 +483,7 @@ def eval_command(given: dict[str, Any], argv: list[str]) -> int:
     s = EvalSettings(**given)
     model, tokenizer, name = load_any(s, "sft-0")
     text = _text(s)
-    tasks = make_tasks(text, s.n_train, s.n_test, seed=s.task_seed)
+    tasks = _tasks(s, text)
     print(format_table(benchmark_table({name: (model, tokenizer)}, text, n_items=s.items,
                                        tasks=tasks.test, shots=tasks.train)))
     return 0
@@ -494,15 +500,18 @@ def chat_command(given: dict[str, Any], argv: list[str]) -> int:
     return 0
 
 
-def load_any(s: ModelSettings, default: str) -> tuple[GPT, Tokenizer, str]:
-    """The model of ``--checkpoint`` or ``--model`` (``default`` if neither) on
-    ``--device``, its tokenizer and a name for it."""
+def load_any(s: ModelSettings, default: str, device: torch.device | str | None = None,
+             ) -> tuple[GPT, Tokenizer, str]:
+    """The model of ``--checkpoint`` or ``--model`` (``default`` if neither) on ``device``
+    (default: ``--device``; a rank of a process group passes its own), its tokenizer and a
+    name for it."""
+    device = s.device if device is None else device
     if s.checkpoint is not None:
-        model, tokenizer, _ = load_model(s.checkpoint, device=s.device)
+        model, tokenizer, _ = load_model(s.checkpoint, device=device)
         return model, tokenizer, s.checkpoint.name or str(s.checkpoint)
     name = s.model or default
     model, tokenizer, _ = assistant.MODELS[name]()
-    return model.to(s.device), tokenizer, name
+    return model.to(device), tokenizer, name
 
 
 def require_chat(tokenizer: Tokenizer, where: str) -> None:
@@ -516,8 +525,11 @@ def _text(s: TaskSettings) -> str:
     return data.shakespeare_text() if s.text is None else data.read_text(s.text)
 
 
-def _tasks(s: TaskSettings) -> TaskSplit:
-    return make_tasks(_text(s), s.n_train, s.n_test, seed=s.task_seed)
+def _tasks(s: TaskSettings, text: str | None = None) -> TaskSplit:
+    """The tasks of ``--text`` (or ``text``, read from it already), made as the assistants'
+    are (`minigpt.assistant.seen_tasks`): from the part of the text a base model trained on."""
+    return assistant.seen_tasks(_text(s) if text is None else text, s.n_train, s.n_test,
+                                seed=s.task_seed)
 
 
 def _config(recipe: dict[str, Any], s: TuningSettings) -> TrainConfig:
@@ -529,15 +541,19 @@ def _config(recipe: dict[str, Any], s: TuningSettings) -> TrainConfig:
 
 
 @contextmanager
-def _processes(device: str) -> Iterator[parallel.DistContext]:
-    """This process's place in the run (a process group if torchrun started it), on one
-    thread as set-up trains the cached assistants (the same weights); shut down after."""
-    torch.set_num_threads(1)
-    ctx = parallel.init_distributed(device)
-    try:
-        yield ctx
-    finally:
-        parallel.shutdown(ctx)
+def _processes(device: str, threads: int | None = None) -> Iterator[parallel.DistContext]:
+    """This process's place in the run (a process group if torchrun started it), shut down
+    after; with ``threads``, that many torch threads for the run (the count before comes
+    back after)."""
+    # Only set-up pins the thread count (`pretrained.threads`), for cached weights that are
+    # the same bits on every run; a user's run keeps PyTorch's default (every core; one a
+    # rank under torchrun, which sets OMP_NUM_THREADS) unless --threads says otherwise.
+    with pretrained.threads(threads) if threads is not None else nullcontext():
+        ctx = parallel.init_distributed(device)
+        try:
+            yield ctx
+        finally:
+            parallel.shutdown(ctx)
 
 
 def _write(out: Path, metrics: dict[str, Any]) -> None:

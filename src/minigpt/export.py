@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from minigpt import chat
 from minigpt.assistant import MODELS
 from minigpt.data import split_text
-from minigpt.decoding import generate
+from minigpt.decoding import eval_mode, generate
 from minigpt.model import GPT
 from minigpt.pretrained import BOOK_RECIPE, corpus, threads
 from minigpt.tokenizer import ASSISTANT, END_OF_TURN, USER, CharTokenizer
@@ -100,12 +100,22 @@ def export_onnx(gpt: GPT, path: Path, *, example_length: int = 8) -> Path:
 
     The example has ``example_length`` >= 2 new positions after ``example_length + 1`` cached
     ones: an example length of 1 (or 0) would let the exporter fix T or P to it, and two
-    equal lengths would let it take T and P for the same size, silently.
+    equal lengths would let it take T and P for the same size, silently. The graph is
+    traced in eval mode (no dropout); ``gpt`` is given back in the mode it was in.
+    Raises ValueError for an example length outside [2, (T_max - 1) // 2], or a context
+    too short for any.
     """
     c = gpt.config
-    assert 2 <= example_length and 2 * example_length + 1 <= c.context_length, (
-        f"example_length must lie in [2, {(c.context_length - 1) // 2}] (a length of 1 would "
-        f"make T static, and T + P must fit the context), got {example_length}")
+    top = (c.context_length - 1) // 2
+    if top < 2:
+        raise ValueError(f"a context of {c.context_length} positions is too short to export: "
+                         "the example needs 2 new positions after 3 cached ones (5 in all)")
+    if (isinstance(example_length, bool) or not isinstance(example_length, int)
+            or not 2 <= example_length <= top):
+        raise ValueError(
+            f"example_length must be an int in [2, {top}] for a context of {c.context_length} "
+            "(a length of 1 would make T static, and T + P = 2 example_length + 1 must fit "
+            f"the context), got {example_length!r}")
     length = torch.export.Dim("T", min=1, max=c.context_length)
     cached = torch.export.Dim("P", min=0, max=c.context_length - 1)
     ids = torch.zeros(1, example_length, dtype=torch.long)
@@ -115,9 +125,9 @@ def export_onnx(gpt: GPT, path: Path, *, example_length: int = 8) -> Path:
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(sys.stderr):
+        with warnings.catch_warnings(), contextlib.redirect_stdout(sys.stderr), eval_mode(gpt):
             warnings.simplefilter("ignore")
-            torch.onnx.export(WithCache(gpt.eval()), (ids, past), str(path),
+            torch.onnx.export(WithCache(gpt), (ids, past), str(path),
                               input_names=["ids", "past"],
                               output_names=["logits", "attention", "present"],
                               dynamic_shapes={"ids": {1: length}, "past": {4: cached}},
@@ -167,7 +177,7 @@ def check_onnx(path: Path, gpt: GPT, contexts: Sequence[Sequence[int]], *,
     Cached, for the first ``cached`` contexts of T >= 2: the first half read at once, then one
     token at a time, each step fed the last step's ``present``; each step's logits and
     weights must be the whole pass's at that position. Raises `AssertionError` if either
-    exceeds its tolerance."""
+    exceeds its tolerance. ``gpt`` runs in eval mode and is given back in its own."""
     import onnxruntime
 
     options = onnxruntime.SessionOptions()
@@ -180,10 +190,10 @@ def check_onnx(path: Path, gpt: GPT, contexts: Sequence[Sequence[int]], *,
     def compare(name: str, got: np.ndarray, expected: Tensor) -> None:
         worst[name] = max(worst[name], float(np.abs(got - expected.numpy()).max()))
 
-    with torch.no_grad():
+    with torch.no_grad(), eval_mode(gpt):  # the graph's pass: no dropout
         for k, context in enumerate(contexts):
             ids = torch.tensor([list(context)], dtype=torch.long)
-            expected, maps = gpt.eval().forward_with_attention(ids)
+            expected, maps = gpt.forward_with_attention(ids)
             weights = torch.stack(maps, dim=1)  # (1, L, H, T, T)
             logits, attention, past = session.run(None, {"ids": ids.numpy(), "past": empty})
             compare("logits", logits, expected)

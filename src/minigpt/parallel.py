@@ -86,18 +86,26 @@ def choose_backend(device: torch.device, backend: str | None) -> str:
     return chosen
 
 
+def allow_tf32(device: torch.device) -> None:
+    """On a CUDA device, let float32 matrix products use TF32
+    (``torch.set_float32_matmul_precision("high")``), as GPU training recipes do; on any
+    other device nothing changes. The one place that decides it: `init_distributed` calls
+    it before a command loads its model, and `minigpt.train.train` for a run started from
+    Python."""
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")
+
+
 def init_distributed(device: str = "cpu", backend: str | None = None) -> DistContext:
     """Join the process group described by the environment (set by torchrun), or return a
     single-process context when there is none (or WORLD_SIZE is 1).
 
     On CUDA, rank r of a machine uses GPU ``LOCAL_RANK``, and float32 matrix products may
-    use TF32 (``torch.set_float32_matmul_precision("high")``), as GPU training recipes do; on
-    a CPU nothing changes. Raises `DistributedError` with the setting to change when the
+    use TF32 (`allow_tf32`). Raises `DistributedError` with the setting to change when the
     backend, the GPUs or the rendezvous cannot work.
     """
     dev = torch.device(device)
-    if dev.type == "cuda":
-        torch.set_float32_matmul_precision("high")
+    allow_tf32(dev)
     if not all(name in os.environ for name in ENV_VARS) or _env_int("WORLD_SIZE") <= 1:
         return DistContext(device=dev)
     rank, local_rank, world = (_env_int(name) for name in ENV_VARS)

@@ -40,7 +40,15 @@ from minigpt.files import atomic_write
 from minigpt.losses import SINGLE, LossFn, autocast, estimate_loss, full_loss, lm_loss
 from minigpt.model import GPT
 from minigpt.optim import Optimizer, build_optimizer, schedule_lr, set_lr
-from minigpt.parallel import DistContext, barrier, gather, mean_over_ranks, rank_batch, wrap_model
+from minigpt.parallel import (
+    DistContext,
+    allow_tf32,
+    barrier,
+    gather,
+    mean_over_ranks,
+    rank_batch,
+    wrap_model,
+)
 from minigpt.tokenizer import Tokenizer, tokenizer_from_dict
 
 METRICS_NAME = "metrics.json"
@@ -224,13 +232,15 @@ def train(model: GPT | GPTConfig, config: TrainConfig, train_data: np.ndarray | 
             takes seconds to compile; evaluation and checkpoints use the plain model).
         loss_fn: replaces next-token cross-entropy in training and evaluation (`LossFn`).
 
-    Torch's global generator (dropout) is seeded with ``config.seed`` plus the rank.
+    Torch's global generator (dropout) is seeded with ``config.seed`` plus the rank. On a
+    CUDA device float32 matrix products use TF32 from here on (`minigpt.parallel.allow_tf32`).
     """
     if resume and out_dir is None:
         raise ValueError("resume=True needs out_dir, the directory holding checkpoint.pt")
     if stop_at is not None and stop_at < 0:
         raise ValueError(f"stop_at must be a number of steps (>= 0) or None, got {stop_at}")
     ctx = DistContext(device=torch.device(config.device)) if ctx is None else ctx
+    allow_tf32(ctx.device)  # as the command line does: a run from Python on a GPU too
     model = _model_for(model, config, train_data, val_data).to(ctx.device)
     optimizer = build_optimizer(model, config)
     torch.manual_seed(config.seed + ctx.rank)  # dropout: each rank its own masks
