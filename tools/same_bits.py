@@ -3,12 +3,12 @@
 Set-up trains the book's models with four kinds of run: the book recipe (AdamW), the modern
 recipe (Muon), supervised fine-tuning of the modern model into an assistant, and DPO from that
 assistant. Each kind here takes a few optimiser steps of its recipe (its model, context,
-optimiser and schedule, but a small batch, on a slice of the corpus, one thread), the next
-one continuing from the last as set-up's chain does, and prints the sha256 of the weights
-after it. A chapter-like check follows: with a trained model's weights (``--model``, a state
-dict and its config, which `tests/test_same_bits.py` writes from the cached book model), a
-greedy sample and the attention weights of one forward pass, as sha256s, and one attention
-weight as a chapter prints it.
+optimiser and schedule, but a small batch, on four plays, one thread), the next one
+continuing from the last as set-up's chain does, and prints the sha256 of the weights after
+it. A chapter-like check follows: with a trained model (``--model``: its weights, config and
+tokenizer, which `tests/test_same_bits.py` writes from the cached book model), a greedy
+sample, the sha256 of one forward pass's attention weights, and one weight as a chapter
+prints it.
 
 Two CPUs that give the same lines train the same bits. `tests/test_same_bits.py` runs this
 natively and under `qemu-x86_64` as an Intel CPU (Haswell) and an AMD one (EPYC):
@@ -43,11 +43,14 @@ from minigpt.dpo import make_pairs, train_dpo
 from minigpt.model import GPT
 from minigpt.sft import finetune, text_windows
 from minigpt.tasks import make_tasks
-from minigpt.tokenizer import CharTokenizer
+from minigpt.tokenizer import CharTokenizer, tokenizer_from_dict
 from minigpt.train import train
 
-#: Characters of the corpus the runs read (its first ones): enough for every task family.
-TEXT_CHARS = 400_000
+#: The plays the runs read (about 550,000 characters): enough for every task family, and
+#: little for an emulated CPU to read.
+PLAYS = ("hamlet", "king-lear", "macbeth", "othello")
+#: Tokens of the greedy sample.
+SAMPLE_TOKENS = 60
 
 
 def weights_sha256(model: torch.nn.Module) -> str:
@@ -61,13 +64,11 @@ def tensor_sha256(tensor: torch.Tensor) -> str:
     return hashlib.sha256(tensor.detach().contiguous().numpy().tobytes()).hexdigest()
 
 
-def training_runs(steps: int, batch_size: int, *, book_only: bool = False) -> dict[str, str]:
+def training_runs(steps: int, batch_size: int) -> dict[str, str]:
     """``steps`` optimiser steps of ``batch_size`` sequences (or pairs) of each kind of run
-    set-up makes, chained as set-up chains them; the sha256 of the weights after each (with
-    ``book_only``, of the book recipe's run alone)."""
-    full = shakespeare_text()
-    text = full[:TEXT_CHARS]
-    tokenizer = CharTokenizer.from_text(full)  # the models' vocabulary: the whole corpus's
+    set-up makes, chained as set-up chains them; the sha256 of the weights after each."""
+    text = shakespeare_text(PLAYS)
+    tokenizer = CharTokenizer.from_text(text)
     train_text, val_text = split_text(text, pretrained.BOOK_RECIPE.train_fraction)
     train_ids = np.asarray(tokenizer.encode_ordinary(train_text), dtype=np.uint16)
     val_ids = np.asarray(tokenizer.encode_ordinary(val_text), dtype=np.uint16)
@@ -82,8 +83,6 @@ def training_runs(steps: int, batch_size: int, *, book_only: bool = False) -> di
                        progress=False)
         models[name] = result.model
         hashes[name] = weights_sha256(result.model)
-        if book_only:
-            return hashes
     recipe = ASSISTANT_RECIPE
     tasks = make_tasks(train_text, 2, 1, seed=recipe.task_seed)
     sft_config = recipe.sft.model_copy(update=short)
@@ -99,16 +98,35 @@ def training_runs(steps: int, batch_size: int, *, book_only: bool = False) -> di
     return hashes
 
 
+def book_gradients(batch_size: int) -> dict[str, str]:
+    """One forward and backward pass of the book recipe's model (its seeded initial weights)
+    on one batch: the sha256 of the gradients, with no optimiser (and so without the seconds
+    an emulated CPU takes to import what PyTorch's optimisers import)."""
+    text = shakespeare_text(PLAYS)
+    tokenizer = CharTokenizer.from_text(text)
+    ids = torch.tensor(tokenizer.encode_ordinary(text[:100_000]))
+    recipe = pretrained.BOOK_RECIPE
+    torch.manual_seed(recipe.training.seed)
+    model = GPT(recipe.gpt_config(tokenizer.vocab_size))
+    T = model.config.context_length
+    x = torch.stack([ids[i * T:(i + 1) * T] for i in range(batch_size)])
+    y = torch.stack([ids[i * T + 1:(i + 1) * T + 1] for i in range(batch_size)])
+    loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    loss.backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    return {"book gradients": tensor_sha256(grads)}
+
+
 def chapter_checks(model_file: Path) -> dict[str, str]:
     """What a chapter prints of a trained model: a greedy sample and attention weights."""
     saved: dict[str, Any] = torch.load(model_file, map_location="cpu", weights_only=True)
     model = GPT(GPTConfig(**saved["config"]))
     model.load_state_dict(saved["state"])
     model.eval()
-    tokenizer = CharTokenizer.from_text(shakespeare_text())
+    tokenizer = tokenizer_from_dict(saved["tokenizer"])
     prompt = tokenizer.encode_ordinary("ROMEO:\nBut soft, what light")
     with torch.no_grad():
-        sample = generate(model, prompt, 120, greedy=True)[0].tolist()
+        sample = generate(model, prompt, SAMPLE_TOKENS, greedy=True).tolist()
         _, attention = model.forward_with_attention(torch.tensor([prompt]))
     return {"greedy sample": tokenizer.decode(sample[len(prompt):]),
             "attention sha256": tensor_sha256(torch.stack(attention)),
@@ -123,12 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=2,
                         help="sequences (DPO: pairs) a step, in place of each recipe's "
                              "(default 2)")
-    parser.add_argument("--only", choices=("training", "book", "chapter"),
-                        help="the training runs only, the book recipe's only, or the "
-                             "chapter's checks only (default: the training runs, and the "
-                             "chapter's checks if --model)")
+    parser.add_argument("--only", choices=("training", "gradients", "chapter"),
+                        help="the training runs only, one forward and backward pass of the "
+                             "book model only, or the chapter's checks only (default: the "
+                             "training runs, and the chapter's checks if --model)")
     parser.add_argument("--model", type=Path,
-                        help="a trained model: torch.save({'config': ..., 'state': ...})")
+                        help="a trained model: torch.save({'config': ..., 'state': ..., "
+                             "'tokenizer': tokenizer.to_dict()})")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.batch_size < 1:
         parser.error(f"--steps and --batch-size must be at least 1, got {args.steps} and "
@@ -139,8 +158,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--model {args.model}: no such file")
     torch.set_num_threads(1)  # as set-up trains: one thread, the same reductions every run
     out: dict[str, str] = {"cpu kernels": torch.backends.cpu.get_cpu_capability()}
-    if args.only != "chapter":
-        out |= training_runs(args.steps, args.batch_size, book_only=args.only == "book")
+    if args.only in (None, "training"):
+        out |= training_runs(args.steps, args.batch_size)
+    if args.only == "gradients":
+        out |= book_gradients(args.batch_size)
     if (args.only is None and args.model is not None) or args.only == "chapter":
         out |= chapter_checks(args.model)
     json.dump(out, sys.stdout, indent=1)
