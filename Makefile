@@ -89,27 +89,37 @@ assets: $(STAMP)
 # The small models the chapters share (the book model, its draft, the modern model, and the
 # assistants: the modern model fine-tuned with three seeds and preference-tuned with three
 # values of beta), trained once and cached; later runs only verify them. The chapters load
-# them. Each trains on one thread (so its weights are the same on every run), so two
-# processes train them side by side: the modern model and two fine-tuned ones in one,
-# the book model, its draft, the third fine-tuned one and the three DPO models in the
-# other (about 390 s and 330 s on a 2-core AMD EPYC). Each model's cache has its own lock (a
-# fine-tuning waits for the modern model, a DPO run for `sft-0`, if the other process is
-# still training it).
+# them. Each trains on one thread (so its weights are the same on every run), so several
+# processes ("lanes") train them side by side, one a core: on two cores the modern model,
+# two fine-tuned ones and one DPO model in one lane, the book model, its draft, the third
+# fine-tuned one and two DPO models in the other (about 370 s each on a 2-core AMD EPYC); on
+# four cores or more, four lanes. Each model's cache has its own lock (a fine-tuning waits
+# for the modern model, a DPO run for `sft-0`, if another lane is still training it).
+NPROC := $(shell nproc 2>/dev/null || echo 2)
+ifeq ($(shell test $(NPROC) -ge 4 2>/dev/null && echo many),many)
+MODEL_LANES := "modern sft-0 dpo-beta2" "book draft dpo dpo-beta0.1" "sft-1" "sft-2"
+else
+MODEL_LANES := "modern sft-0 sft-1 dpo-beta2" "book draft sft-2 dpo dpo-beta0.1"
+endif
+# $(call train_lanes,COMMAND): every lane in the background, COMMAND after the first lane's
+# models; fails if any lane or COMMAND failed.
+train_lanes = status=0; pids=; after='$(1)'; for lane in $(MODEL_LANES); do \
+	( set -e; $(PY) -m minigpt pretrained $$(printf -- '--only %s ' $$lane); \
+	  if [ -n "$$after" ]; then eval "$$after"; fi ) & pids="$$pids $$!"; after=; done; \
+	for pid in $$pids; do wait $$pid || status=1; done; test $$status = 0
+
 book-model: assets
-	$(PY) -m minigpt pretrained --only modern --only sft-0 --only sft-1 & modern=$$!; \
-	$(PY) -m minigpt pretrained --only book --only draft --only sft-2 --only dpo \
-		--only dpo-beta0.1 --only dpo-beta2; book=$$?; \
-	wait $$modern && test $$book = 0
+	$(call train_lanes,)
 
 setup: $(STAMP) $(NPM_STAMP) assets book-model
 
 # The playground's models (minigpt.export): the book model, the modern model and the assistant
 # sft-0 exported to ONNX from the cache, each checked with onnxruntime against PyTorch on
 # held-out text, into _playground/playground/ (with playground.json), which Sphinx copies to
-# _build/html/_static/playground/. Made afresh by every `make book`, never committed.
-playground: setup
-	rm -rf _playground
-	$(PY) -m minigpt.export _playground/playground
+# _build/html/_static/playground/. Made afresh by every `make book`, never committed: in the
+# first lane, once its models are trained, while the other lane still trains.
+playground: $(STAMP) $(NPM_STAMP) assets
+	$(call train_lanes,rm -rf _playground && $(PY) -m minigpt.export _playground/playground)
 
 # Headless Chromium and its driver for the browser test (Debian packages; the
 # test drives /usr/bin/chromium through /usr/bin/chromedriver, nothing is downloaded),
@@ -136,16 +146,29 @@ system-deps:
 # and executes nothing again. Warnings are errors; --keep-going reports all of them before
 # failing. PYTHONHASHSEED is the same here, under nbval and in `make baseline`.
 CHAPTER_JOBS ?= 2
-book: setup playground
-	rm -rf _build/.doctrees _build/html _build/jupyter_execute _build/.jupyter_cache
+# A successful build leaves the stamp _build/.built, which `make pdf` compares with what the
+# site is made from.
+BOOK_STAMP := _build/.built
+BOOK_SOURCES := $(wildcard book/*.md src/minigpt/*.py _ext/*.py _ext/static/* _theme/*) \
+	_config.yml _toc.yml references.bib requirements.txt package-lock.json \
+	tools/execute_chapters.py
+book: playground
+	rm -rf _build/.doctrees _build/html _build/jupyter_execute _build/.jupyter_cache \
+		$(BOOK_STAMP)
 	PYTHONHASHSEED=0 $(PY) tools/execute_chapters.py --jobs $(CHAPTER_JOBS)
 	PYTHONHASHSEED=0 $(BIN)/jupyter-book build --all --warningiserror --keep-going --path-output . .
+	touch $(BOOK_STAMP)
+
+$(BOOK_STAMP): $(BOOK_SOURCES)
+	$(MAKE) book
 
 # The whole book as one PDF, _build/pdf/minigpt-book.pdf (tools/make_pdf.py): Sphinx's
 # single-page build, whose chapters come from the execution cache the site's build has just
 # filled (nothing runs twice), printed by headless Chromium once MathJax has typeset it. A
-# copy goes to _build/html/, where every page's download menu links to it.
-pdf: book system-deps
+# copy goes to _build/html/, where every page's download menu links to it. The site is
+# built first only if it is missing or older than a chapter, the package or the build's
+# settings ($(BOOK_STAMP)): `make pdf` right after `make book` only prints.
+pdf: $(BOOK_STAMP) system-deps
 	$(PY) tools/make_pdf.py
 
 # The lint first (a lint failure fails at once), then every test: the package's (hypothesis
@@ -157,7 +180,7 @@ pdf: book system-deps
 # (as `make pdf` does; printing keeps about one core busy) and then the tests marked `pdf`
 # read it; their report follows the others'.
 TEST_JOBS ?= 2
-test: lint setup system-deps book
+test: lint system-deps book
 	($(PY) tools/make_pdf.py && $(PY) -m pytest -p no:cacheprovider -m pdf) \
 		> _build/pdf.log 2>&1 & pdf=$$!; \
 	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest -n $(TEST_JOBS) --dist loadfile -m "not pdf"; \
