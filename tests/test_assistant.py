@@ -69,7 +69,8 @@ def test_sft_models_are_cached_one_per_seed() -> None:
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
                                                  again.state_dict().values(), strict=True))
     assert model.config.context_length == 128
-    assert manifest["key_material"]["conversations"] == [128, 2]
+    # The context, the most questions a conversation holds, the length buckets of a batch.
+    assert manifest["key_material"]["conversations"] == [128, 2, TINY.length_buckets]
     other = sft_model(1, recipe=TINY)[2]
     assert other.key != info.key
     assert isinstance(reply(model, chat, [Turn("user", "upper: moon")], max_new_tokens=3), str)

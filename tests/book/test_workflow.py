@@ -197,7 +197,12 @@ def _oldest_torch() -> str:
 def test_unit_tests_run_on_three_systems_and_on_the_oldest_torch() -> None:
     unit = _workflow()["jobs"]["unit"]
     assert "needs" not in unit
-    assert _run_commands("unit") == ["make unit TORCH=${{ matrix.torch }} SLOW=1"]
+    # On Linux, qemu-user first: tests/test_same_bits.py runs the venv as Intel and AMD CPUs.
+    assert _run_commands("unit") == [
+        "sudo apt-get update -qq && sudo apt-get install -y -qq qemu-user",
+        "make unit TORCH=${{ matrix.torch }} SLOW=1"]
+    (qemu,) = [s for s in _steps("unit") if "qemu-user" in str(s.get("run", ""))]
+    assert qemu["if"] == "runner.os == 'Linux'"
     assert unit["defaults"]["run"]["shell"] == "bash"
     matrix = unit["strategy"]["matrix"]
     assert unit["strategy"]["fail-fast"] is False
