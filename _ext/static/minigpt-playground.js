@@ -22,6 +22,10 @@
 
   const STATIC = document.currentScript.src.replace(/[^/]*$/, "");  // .../_static/
   const MAX_NEW = 1000;
+  // The room a conversation keeps for the assistant's answer, as `python -m minigpt chat`
+  // keeps its --max-new-tokens (32): the Characters field (200 by default) caps how much is
+  // written, but reserving all of it would forget the first exchange after a few questions.
+  const CHAT_ROOM = 32;
   // Each model's first prompt: minigpt.export.PROMPTS (tests/book/test_playground.py checks).
   const FIRST_PROMPTS = {"book": "ROMEO:\nBut soft, what light",
                          "modern": "ROMEO:\nBut soft, what light",
@@ -569,7 +573,7 @@
         settings = readSettings(controls, loaded.model);
         if (loaded.model.chat) {
           const asked = [...conversation, {role: "user", text: controls.prompt.value}];
-          turns = fitContext(loaded.model, asked, settings.length);
+          turns = fitContext(loaded.model, asked, Math.min(settings.length, CHAT_ROOM));
           forgotten = asked.length - turns.length;
           ids = chatIds(loaded.model, turns);
         } else {

@@ -553,9 +553,10 @@ CONVERSATION = ["upper: storm", "reverse: night", "letters in: crown",
 
 
 def test_the_assistant_holds_a_conversation(driver: Any, base_url: str) -> None:
-    """Greedy, with answers of at most 32 characters: each answer the page writes is the one
-    `python -m minigpt chat` gives after the same turns (chat.fit_context with room for the
-    answer, then chat.answer_turn); the page forgets the turns the chat forgets, and says so;
+    """Greedy, with the page's default Characters (200): each answer the page writes is the
+    one `python -m minigpt chat` gives after the same turns (chat.fit_context with the chat's
+    room of 32 tokens for the answer, then chat.answer_turn); the page forgets the turns the
+    chat forgets, and says so (not before the long fifth question: the first four fit);
     "New conversation" starts afresh."""
     from selenium.webdriver.support.ui import Select
 
@@ -566,7 +567,8 @@ def test_the_assistant_holds_a_conversation(driver: Any, base_url: str) -> None:
     Select(box.find_element("css selector", "select")).select_by_value("sft-0")
     assert restart.is_displayed() and not restart.is_enabled()
     driver.execute_script(_SET, "div.minigpt-playground input[id$=temperature]", "0")
-    driver.execute_script(_SET, "div.minigpt-playground input[id$=length]", "32")
+    length = box.find_element("css selector", "input[id$=length]")
+    assert length.get_attribute("value") == "200"  # the default a reader meets
     model, tokenizer, _ = _model("sft-0")
     T = model.config.context_length
     turns: list[chat.Turn] = []
@@ -585,7 +587,7 @@ def test_the_assistant_holds_a_conversation(driver: Any, base_url: str) -> None:
         assert shown.get_attribute("textContent").endswith("you: " + question + "\n→ ")
         status = box.find_element("css selector", ".minigpt-playground-status").text
         assert ("forgotten" in status) == (forgot[-1] > 0), (question, status)
-    assert forgot[0] == 0 and forgot[-1] > 0, forgot  # the test reaches the context's end
+    assert forgot == [0, 0, 0, 0, forgot[-1]] and forgot[-1] > 0, forgot
     assert restart.is_enabled()
     restart.click()
     driver.execute_script(_SET, "div.minigpt-playground textarea", CONVERSATION[1])
