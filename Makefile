@@ -90,16 +90,16 @@ assets: $(STAMP)
 # assistants: the modern model fine-tuned with three seeds and preference-tuned with three
 # values of beta), trained once and cached; later runs only verify them. The chapters load
 # them. Each trains on one thread (so its weights are the same on every run), so several
-# processes ("lanes") train them side by side, one a core: on two cores the modern model,
-# two fine-tuned ones and one DPO model in one lane, the book model, its draft, the third
-# fine-tuned one and two DPO models in the other (about 370 s each on a 2-core AMD EPYC); on
-# four cores or more, four lanes. Each model's cache has its own lock (a fine-tuning waits
+# processes ("lanes") train them side by side, one a core: on two cores the book model, its
+# draft, one fine-tuned model and two DPO models in one lane (and then, for `make book`, the
+# playground's export), the modern model, two fine-tuned ones and one DPO model in the other;
+# on four cores or more, four lanes. Each model's cache has its own lock (a fine-tuning waits
 # for the modern model, a DPO run for `sft-0`, if another lane is still training it).
 NPROC := $(shell nproc 2>/dev/null || echo 2)
 ifeq ($(shell test $(NPROC) -ge 4 2>/dev/null && echo many),many)
-MODEL_LANES := "modern sft-0 dpo-beta2" "book draft dpo dpo-beta0.1" "sft-1" "sft-2"
+MODEL_LANES := "book draft dpo-beta0.1 dpo-beta2" "modern sft-0 dpo" "sft-1" "sft-2"
 else
-MODEL_LANES := "modern sft-0 sft-1 dpo-beta2" "book draft sft-2 dpo dpo-beta0.1"
+MODEL_LANES := "book draft sft-2 dpo-beta0.1 dpo-beta2" "modern sft-0 sft-1 dpo"
 endif
 # $(call train_lanes,COMMAND): every lane in the background, COMMAND after the first lane's
 # models; fails if any lane or COMMAND failed.
@@ -117,7 +117,8 @@ setup: $(STAMP) $(NPM_STAMP) assets book-model
 # sft-0 exported to ONNX from the cache, each checked with onnxruntime against PyTorch on
 # held-out text, into _playground/playground/ (with playground.json), which Sphinx copies to
 # _build/html/_static/playground/. Made afresh by every `make book`, never committed: in the
-# first lane, once its models are trained, while the other lane still trains.
+# first lane, once its models are trained, while the other lane still trains (a model it
+# needs that another lane is training, it waits for).
 playground: $(STAMP) $(NPM_STAMP) assets
 	$(call train_lanes,rm -rf _playground && $(PY) -m minigpt.export _playground/playground)
 
