@@ -545,6 +545,31 @@ def test_flags_follow_the_model_fields() -> None:
             parser.parse_args(bad)
 
 
+def test_train_keeps_the_thread_count_unless_told(
+        tmp_path: Path, text_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As sft and dpo: without --threads the process's torch threads (3 here); with it, that
+    many for the run, and the count before after it (the run stops where training starts)."""
+    import minigpt.cli
+
+    seen: list[int] = []
+
+    def trainer(*args: Any, **kwargs: Any) -> Any:
+        seen.append(torch.get_num_threads())
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(minigpt.cli, "train", trainer)
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        for threads in ([], ["--threads", "2"]):
+            assert main(["train", "--text", str(text_file), "--out", str(tmp_path), *TINY,
+                         *threads]) == 130
+            seen.append(torch.get_num_threads())
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [3, 3, 2, 3]
+
+
 def test_the_modern_recipe_under_the_flags_given(tmp_path: Path, text_file: Path) -> None:
     from minigpt.config import MODERN_LAYOUT, MODERN_TRAINING
 

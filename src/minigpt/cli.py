@@ -20,7 +20,7 @@ import re
 import sys
 import types
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
@@ -318,8 +318,11 @@ def train_command(given: dict[str, Any], argv: list[str]) -> int:
     """A new run from the flags, or (--resume) the run saved in --out with its settings;
     on this process, or on --nproc-per-node processes started by torchrun."""
     run = TrainFlags(**_fields(given, TrainFlags))
-    if run.threads is not None:
-        torch.set_num_threads(run.threads)
+    with _threads(run.threads):  # the count before comes back after (main() from Python)
+        return _train(run, given, argv)
+
+
+def _train(run: TrainFlags, given: dict[str, Any], argv: list[str]) -> int:
     if run.out.exists() and not run.out.is_dir():
         raise ValueError(f"--out {run.out} exists and is not a directory")
     shape: GPTConfig | None = None  # a new run's: made with its tokenizer, from the text
@@ -548,12 +551,18 @@ def _processes(device: str, threads: int | None = None) -> Iterator[parallel.Dis
     # Only set-up pins the thread count (`pretrained.threads`), for cached weights that are
     # the same bits on every run; a user's run keeps PyTorch's default (every core; one a
     # rank under torchrun, which sets OMP_NUM_THREADS) unless --threads says otherwise.
-    with pretrained.threads(threads) if threads is not None else nullcontext():
+    with _threads(threads):
         ctx = parallel.init_distributed(device)
         try:
             yield ctx
         finally:
             parallel.shutdown(ctx)
+
+
+def _threads(n: int | None) -> AbstractContextManager[None]:
+    """With ``n``, that many torch threads for the block (the count before comes back
+    after)."""
+    return nullcontext() if n is None else pretrained.threads(n)
 
 
 def _write(out: Path, metrics: dict[str, Any]) -> None:
