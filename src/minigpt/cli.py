@@ -104,17 +104,7 @@ def default(settings: type[BaseModel], name: str) -> Any:
     return settings.model_fields[name].default
 
 
-def _fields(given: dict[str, Any], settings: type[BaseModel]) -> dict[str, Any]:
-    """The flags given that set a field of ``settings`` (`train`'s set three models)."""
-    return {k: v for k, v in given.items() if k in settings.model_fields}
-
-
 # -------------------------------------------------------------------------------- train
-
-#: The model flags' defaults: the CPU preset's (the vocabulary comes from the text).
-CPU_PRESET = GPTConfig.shakespeare_cpu(vocab_size=65)
-#: The optimisation flags' defaults.
-TRAINING = TrainConfig()
 
 
 def add_train(commands: Commands) -> None:
@@ -147,7 +137,7 @@ def add_train(commands: Commands) -> None:
     run.add_argument("--global-batch-size", type=int, help="sequences a step sees over all "
                      "the processes; sets --grad-accum")
 
-    cpu = CPU_PRESET
+    cpu = GPTConfig.shakespeare_cpu(vocab_size=65)  # the defaults (V comes from the text)
     model = p.add_argument_group("model (default: GPTConfig.shakespeare_cpu; --recipe "
                                  "modern: GPTConfig.modern)")
     model.add_argument("--context-length", type=int, help="T_max, the longest sequence the "
@@ -190,7 +180,7 @@ def add_train(commands: Commands) -> None:
                        "block's output projections start at zero (and an untied head) "
                        f"(default: {cpu.zero_init})")
 
-    t = TRAINING
+    t = TrainConfig()  # the defaults
     opt = p.add_argument_group("optimisation (default: TrainConfig's; --recipe modern: "
                                "TrainConfig.modern)")
     opt.add_argument("--batch-size", type=int,
@@ -264,6 +254,11 @@ class TrainFlags(BaseModel):
         if self.bpe_vocab_size is not None and self.tokenizer != "bpe":
             raise ValueError("--bpe-vocab-size applies only with --tokenizer bpe")
         return self
+
+
+def _fields(given: dict[str, Any], settings: type[BaseModel]) -> dict[str, Any]:
+    """The flags given that set a field of ``settings`` (`train`'s set three models)."""
+    return {k: v for k, v in given.items() if k in settings.model_fields}
 
 
 #: What `train --resume` accepts besides --out: the run's settings are the checkpoint's.
