@@ -1,8 +1,9 @@
 """`python -m minigpt COMMAND`, driven through `minigpt.cli.main`: `train` and `sample` on a
 tiny text, `sft`, `dpo`, `chat` and `eval` on tiny models trained for a few steps (help, a
-piped conversation, the context's limit), the flags made from the settings models, and the
-clear errors of each (a base model where a chat model is needed, an empty data set, a
-device this machine lacks, a backend the resumed run's device cannot use)."""
+piped conversation, the context's limit), the flags written out against the settings
+models they set, and the clear errors of each (a base model where a chat model is needed,
+an empty data set, a device this machine lacks, a backend the resumed run's device cannot
+use)."""
 
 from __future__ import annotations
 
@@ -272,7 +273,8 @@ def _fails(argv: list[str], capsys: pytest.CaptureFixture[str], code: int, *need
         (["--max-steps", "1"], 2, ["--warmup-steps (=2) must not exceed --decay-steps (=1",
                                     "raise --max-steps"]),
         (["--min-lr", "1"], 2, ["--min-lr (=1.0) must not exceed --lr (=0.001)"]),
-        (["--device", "tpu9"], 2, ["is not a torch device"]),
+        (["--device", "tpu9"], 2, ["--device: 'tpu9' is not a torch device"]),
+        (["--device", "meta"], 2, ["--device: 'meta': models run on cpu, cuda or cuda:N"]),
         (["--context-length", "5000"], 1, ["needs more than context_length=5000"]),
         (["--threads", "0"], 2, ["--threads: Input should be greater than or equal to 1"]),
         (["--nproc-per-node", "0"], 2, ["--nproc-per-node: Input should be greater than or"]),
@@ -504,45 +506,107 @@ def test_a_short_run_needs_no_warmup_flag(tmp_path: Path, text_file: Path) -> No
     assert TrainConfig().warmup_steps == 100 and TrainConfig(max_steps=300).warmup_steps == 100
 
 
-def test_flags_follow_the_model_fields() -> None:
-    """A field added to a model is a flag, typed from its annotation, helped by its
-    description or else by the class docstring's Attributes: line."""
-    import argparse
-    from typing import Literal
+def _usage_and_help(command: str, capsys: pytest.CaptureFixture[str],
+                    ) -> tuple[str, dict[str, str]]:
+    """``command``'s usage (on one line), and each option's help (on one line)."""
+    assert main([command, "--help"]) == 0
+    usage, _, body = capsys.readouterr().out.partition("\n\n")
+    helps: dict[str, str] = {}
+    for line in body.splitlines():
+        if line.startswith("  -"):
+            names, _, rest = line.strip().partition("  ")
+            current = [n.split()[0].rstrip(",") for n in names.split(", ")]
+            helps |= dict.fromkeys(current, rest.strip())
+        elif line.startswith("   ") and helps:
+            helps |= {n: f"{helps[n]} {line.strip()}".strip() for n in current}
+    return " ".join(usage.split()), helps
 
-    from pydantic import BaseModel, Field
 
-    from minigpt.cli import add_model_flags
+def _settings() -> dict[str, list[Any]]:
+    import minigpt.cli as cli
+    from minigpt.sample import SampleSettings
 
-    class Toy(BaseModel):
-        """A toy.
+    return {"train": [cli.TrainFlags, GPTConfig, TrainConfig], "sample": [SampleSettings],
+            "sft": [cli.SftSettings], "dpo": [cli.DpoSettings], "chat": [cli.ChatSettings],
+            "eval": [cli.EvalSettings], "assets": [cli.AssetsSettings],
+            "pretrained": [cli.PretrainedSettings]}
 
-        Attributes:
-            norm: which norm, from the docstring
-                (two lines of it).
-        """
 
-        norm: Literal["layer", "rms"] = "layer"
-        qk_norm: bool = False
-        n_kv_heads: int | None = Field(None, ge=1, description="key-value heads")
-        scale: float = 1.0
-        name_only: str = "x"
-        only: list[Literal["a", "b"]] | None = None
+@pytest.mark.parametrize("command", ["train", "sample", "sft", "dpo", "chat", "eval", "assets",
+                                     "pretrained"])
+def test_each_flag_sets_a_field_of_its_command_s_settings(
+        command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """The flags, written out in the parser, and the settings models they set agree: every
+    field has its flag (vocab_size comes from the text), every flag a field (else what it is
+    given would be dropped), a --no- flag only for a bool, and a flag with choices offers the
+    field's Literal values."""
+    from types import UnionType
+    from typing import Literal, Union, get_args, get_origin
 
-    parser = argparse.ArgumentParser(argument_default=argparse.SUPPRESS)
-    add_model_flags(parser, Toy, exclusive=("scale", "name_only"))
-    args = vars(parser.parse_args(["--norm", "rms", "--qk-norm", "--n-kv-heads", "2",
-                                   "--scale", "0.5", "--only", "b", "--only", "a"]))
-    assert args == {"norm": "rms", "qk_norm": True, "n_kv_heads": 2, "scale": 0.5,
-                    "only": ["b", "a"]}
-    assert vars(parser.parse_args(["--no-qk-norm"])) == {"qk_norm": False}
-    help_ = " ".join(parser.format_help().split())
-    assert "which norm, from the docstring (two lines of it). (default: 'layer')" in help_
-    assert "key-value heads" in help_ and "name only (default: 'x')" in help_
-    for bad in (["--norm", "batch"], ["--n-kv-heads", "two"], ["--scale", "1", "--name-only",
-                                                                "y"], ["--only", "c"]):
-        with pytest.raises(SystemExit):
-            parser.parse_args(bad)
+    usage, _ = _usage_and_help(command, capsys)
+    flags = set(re.findall(r"--[a-z0-9-]+", usage)) - {"--help"}
+    fields = {name: field for model in _settings()[command]
+              for name, field in model.model_fields.items() if name != "vocab_size"}
+    negated = {f for f in flags if f.startswith("--no-") and "--" + f[5:] in flags}
+    assert flags - negated == {"--" + name.replace("_", "-") for name in fields}
+    for name, field in fields.items():
+        kind = field.annotation
+        if get_origin(kind) in (Union, UnionType):  # X | None: a flag of X
+            kind = next(a for a in get_args(kind) if a is not type(None))
+        assert (("--no-" + name.replace("_", "-")) in negated) <= (kind is bool), name
+        if get_origin(kind) is Literal:
+            shown = f"--{name.replace('_', '-')} {{{','.join(get_args(kind))}}}"
+            assert shown in usage, (name, shown)
+
+
+@pytest.mark.parametrize("command", ["train", "sample", "sft", "dpo", "chat", "eval", "assets",
+                                     "pretrained"])
+def test_the_help_shows_the_settings_defaults(
+        command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every default a flag's help shows is its field's (the CPU preset's for the model's
+    shape): written once, in the settings model. A required flag has none; one whose default
+    is None (or False, for a flag that can only turn a setting on) says what happens in
+    words."""
+    _, helps = _usage_and_help(command, capsys)
+    defaults = {name: field.default for model in _settings()[command]
+                for name, field in model.model_fields.items() if not field.is_required()}
+    if command == "train":
+        defaults |= GPTConfig.shakespeare_cpu(65).model_dump() | TrainConfig().model_dump()
+        for derived in ("vocab_size", "d_ff", "decay_steps"):  # from the text, D, max_steps
+            defaults.pop(derived)
+        defaults["warmup_steps"] = TrainConfig.model_fields["warmup_steps"].default
+    for name, value in defaults.items():
+        option = "--" + name.replace("_", "-")
+        if value is None or (value is False and "--no-" + option[2:] not in helps):
+            continue
+        shown = repr(value) if name == "prompt" else str(value)
+        assert re.search(re.escape(f"(default: {shown}") + "[),;]", helps[option]), (
+            option, helps[option])
+
+
+def test_train_keeps_the_thread_count_unless_told(
+        tmp_path: Path, text_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As sft and dpo: without --threads the process's torch threads (3 here); with it, that
+    many for the run, and the count before after it (the run stops where training starts)."""
+    import minigpt.cli
+
+    seen: list[int] = []
+
+    def trainer(*args: Any, **kwargs: Any) -> Any:
+        seen.append(torch.get_num_threads())
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(minigpt.cli, "train", trainer)
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        for threads in ([], ["--threads", "2"]):
+            assert main(["train", "--text", str(text_file), "--out", str(tmp_path), *TINY,
+                         *threads]) == 130
+            seen.append(torch.get_num_threads())
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [3, 3, 2, 3]
 
 
 def test_the_modern_recipe_under_the_flags_given(tmp_path: Path, text_file: Path) -> None:

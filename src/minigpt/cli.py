@@ -1,37 +1,35 @@
-"""The command line, `python -m minigpt COMMAND ...` (train, sample, sft, dpo, chat, eval,
-assets, pretrained): the parser is made from each command's settings model (pydantic), one
-flag a field (`add_model_flags`; `train`'s are also `GPTConfig`'s and `TrainConfig`'s), and
-each command is one small function that validates its settings and calls its stage's recipe.
+"""The command line, `python -m minigpt COMMAND ...`: train, sample, sft, dpo, chat, eval,
+assets and pretrained. Each command is a section below: its flags, written out with
+argparse, then the function that runs it. A flag that is not given is left out, so the
+settings model it sets (`GPTConfig`, `TrainConfig`, `SampleSettings`, or this module's
+`TrainFlags`, `SftSettings`, ...) fills in its own default, which the flag's help shows;
+the function builds those models from the flags given, and they check the values.
 
 `train --nproc-per-node N` starts N processes with torch's own launcher; under torchrun
 (`torchrun --nproc-per-node 2 -m minigpt sft ...`) train, sft and dpo train data-parallel:
 every rank trains and scores its share of each evaluation, rank 0 alone prints, scores the
 final exact match and writes. A bad input is one line on stderr: exit 2 for a usage error
-(argparse's, or a settings model's), 1 for any other, 130 when interrupted.
+(argparse's, or a settings model's: `explain`), 1 for any other, 130 when interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
-import re
 import sys
-import types
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, TypeAlias
 
 import torch
-from pydantic import AfterValidator, BaseModel, Field, ValidationError, model_validator
-from pydantic_core import PydanticUndefined
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 from tqdm import tqdm
 
 from minigpt import assets, assistant, data, parallel, pretrained
 from minigpt.assistant import ASSISTANT_RECIPE
-from minigpt.bpe import get_tokenizer
+from minigpt.bpe import DEFAULT_BPE_VOCAB_SIZE, get_tokenizer
 from minigpt.chat import chat_loop
 from minigpt.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from minigpt.config import GPTConfig, TrainConfig
@@ -48,10 +46,8 @@ from minigpt.train import METRICS_NAME, saved_settings, train, with_global_batch
 #: A command: the flags given (only those: each settings model fills in its defaults) and
 #: the command's own arguments (which `train` hands to torchrun) -> the exit status.
 Command = Callable[[dict[str, Any], list[str]], int]
-# What `train --resume` accepts besides --out: the run's settings are the checkpoint's.
-_RESUMABLE = {"max_steps", "device", "stop_at", "progress", "threads", "compile", "out",
-              "resume", "backend", "nproc_per_node", "master_port"}
-_LAUNCHER_FLAGS = ("--nproc-per-node", "--master-port")
+#: The parser's commands, to which each section below adds its own.
+Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 _FAILURES = (OSError, ValueError, parallel.DistributedError, assets.AssetError)
 
 
@@ -81,136 +77,180 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """One sub-command a row: its function, its help, and the settings models whose fields
-    are its flags (``train``'s in three groups)."""
+    """The command line's parser: each section below adds its command."""
     parser = argparse.ArgumentParser(
         prog="python -m minigpt", epilog="`python -m minigpt COMMAND --help` lists a command's "
         "options.", description="Train GPTs, sample, fine-tune, chat, evaluate, set up the book.")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
-    for name, command, help_, settings in (
-            ("train", train_command, "train a GPT on a text file (defaults: nanoGPT's CPU "
-             "recipe for character-level Shakespeare)", TrainFlags),
-            ("sample", sample_command, "continue a prompt with a trained checkpoint",
-             SampleSettings),
-            ("sft", sft_command, "fine-tune a base model to answer the verifiable tasks",
-             SftSettings),
-            ("dpo", dpo_command, "preference-tune a fine-tuned model with DPO", DpoSettings),
-            ("chat", chat_command, "talk with a fine-tuned model in the terminal",
-             ChatSettings),
-            ("eval", eval_command, "print the benchmark table of a model", EvalSettings),
-            ("assets", assets_command, "fetch (the archive files alone) and verify the corpus "
-             "and GPT-2's BPE ranks", AssetsSettings),
-            ("pretrained", pretrained_command, "train (once) and verify the models the "
-             "chapters share", PretrainedSettings)):
-        p = commands.add_parser(name, help=help_, description=help_[0].upper() + help_[1:] + ".",
-                                prog=f"python -m minigpt {name}", allow_abbrev=False,
-                                argument_default=argparse.SUPPRESS)  # only the flags given
-        p.set_defaults(command=command)
-        if name != "train":
-            add_model_flags(p, settings, exclusive=("beams", "draft") if name == "sample"
-                            else ("checkpoint", "model"))
-            continue
-        add_model_flags(p.add_argument_group("run"), settings)
-        add_model_flags(p.add_argument_group("model (default: GPTConfig.shakespeare_cpu)"),
-                        GPTConfig, GPTConfig.shakespeare_cpu(65), skip=("vocab_size",))
-        add_model_flags(p.add_argument_group("optimisation"), TrainConfig)
+    for add in (add_train, add_sample, add_sft, add_dpo, add_chat, add_eval, add_assets,
+                add_pretrained):
+        add(commands)
     return parser
 
 
-# ------------------------------------------------------------ flags from settings models
-
-def flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def add_model_flags(parser: Any, model: type[BaseModel], defaults: BaseModel | None = None,
-                    skip: Sequence[str] = (), exclusive: Sequence[str] = ()) -> None:
-    """One flag per field of a pydantic model, `--field-name`: Literal -> choices, bool ->
-    --flag/--no-flag, list[X] -> a repeatable flag, int/float/str/Path (and X | None as X);
-    help from the field's description, else the class docstring's Attributes: line; the
-    default shown from ``defaults`` or the field (none for a field marked
-    ``derived_default``, whose default follows from other fields). The model's fields named
-    in ``exclusive`` form a mutually exclusive group."""
-    docs = _attribute_docs(model)
-    group = parser.add_mutually_exclusive_group() if set(exclusive) & set(
-        model.model_fields) else parser
-    for name, field in model.model_fields.items():
-        if name in skip:
-            continue
-        kind: Any = field.annotation
-        if get_origin(kind) in (Union, types.UnionType):
-            kind = next(a for a in get_args(kind) if a is not type(None))
-        many = get_origin(kind) is list
-        kind = get_args(kind)[0] if many else kind
-        choices = get_args(kind) if get_origin(kind) is Literal else None
-        default = getattr(defaults, name, field.default)
-        text = field.description or docs.get(name) or name.replace("_", " ")
-        derived = isinstance(field.json_schema_extra, dict) and bool(
-            field.json_schema_extra.get("derived_default"))  # e.g. d_ff = 4 D: no one value
-        if (default is not None and default is not PydanticUndefined and kind is not bool
-                and not derived):
-            text += f" (default: {default!r})"
-        options: dict[str, Any] = {"help": text.replace("%", "%%")}
-        if kind is bool:
-            options["action"] = argparse.BooleanOptionalAction
-        else:
-            options |= {"type": type(choices[0]) if choices else kind, "choices": choices,
-                        "metavar": None if choices else name.upper(),
-                        "required": field.is_required() and defaults is None}
-            options |= {"action": "append"} if many else {}
-        (group if name in exclusive else parser).add_argument(flag(name), **options)
+def add_command(commands: Commands, name: str, run: Command, what: str,
+                ) -> argparse.ArgumentParser:
+    """The parser of command ``name``, which ``run`` runs with the flags given (a flag not
+    given is not passed on: its settings model's default applies)."""
+    parser: argparse.ArgumentParser = commands.add_parser(
+        name, help=what, description=what[0].upper() + what[1:] + ".",
+        prog=f"python -m minigpt {name}", allow_abbrev=False, argument_default=argparse.SUPPRESS)
+    parser.set_defaults(command=run)
+    return parser
 
 
-def _attribute_docs(model: type[BaseModel]) -> dict[str, str]:
-    """A class docstring's "Attributes:" section: field name -> its text."""
-    docs: dict[str, str] = {}
-    names: list[str] = []
-    for line in inspect.cleandoc(model.__doc__ or "").partition("Attributes:")[2].splitlines():
-        if match := re.match(r" {4}(\w[\w, ]*):\s*(.*)", line):
-            names = [n.strip() for n in match[1].split(",")]
-            docs |= dict.fromkeys(names, match[2])
-        elif line.startswith(" " * 8):
-            docs |= {n: f"{docs[n]} {line.strip()}" for n in names}
-        elif line.strip():
-            break
-    return docs
+def default(settings: type[BaseModel], name: str) -> Any:
+    """The default of a settings model's field, for a flag's help to show."""
+    return settings.model_fields[name].default
 
 
-def explain(err: ValidationError) -> str:
-    """Pydantic's errors, each field named as the flag that sets it (`name (=value)`, and
-    any name with an underscore, in the messages too)."""
-    fields = sorted({*GPTConfig.model_fields, *TrainConfig.model_fields}, key=len)[::-1]
-    pattern = rf"\b({'|'.join(fields)})\b(?= \(=)|\b\w+_\w+\b"
-    return "; ".join((f"{flag(str(e['loc'][0]))}: " if e["loc"] else "") + re.sub(
-        pattern, lambda m: flag(m[0]) if m[0] in fields else m[0],
-        str(e["msg"]).removeprefix("Value error, ")) for e in err.errors())
+# -------------------------------------------------------------------------------- train
 
 
-def _fields(given: dict[str, Any], model: type[BaseModel]) -> dict[str, Any]:
-    return {k: v for k, v in given.items() if k in model.model_fields}
+def add_train(commands: Commands) -> None:
+    p = add_command(commands, "train", train_command, "train a GPT on a text file (defaults: "
+                    "nanoGPT's CPU recipe for character-level Shakespeare)")
+    run = p.add_argument_group("run")
+    run.add_argument("--out", type=Path, required=True,
+                     help="folder of checkpoint.pt, metrics.json, history.json, the ids")
+    run.add_argument("--text", type=Path, help="UTF-8 text (default: Shakespeare's plays)")
+    run.add_argument("--tokenizer", choices=KINDS, help="bpe is trained on the train split "
+                     f"(default: {default(TrainFlags, 'tokenizer')})")
+    run.add_argument("--bpe-vocab-size", type=int,
+                     help=f"V of --tokenizer bpe (default: {DEFAULT_BPE_VOCAB_SIZE})")
+    run.add_argument("--recipe", choices=("gpt2", "modern"), help="modern: the modern GPT's "
+                     "layout and training (minigpt.config.MODERN_LAYOUT, MODERN_TRAINING) "
+                     f"under the flags given (default: {default(TrainFlags, 'recipe')})")
+    run.add_argument("--resume", action="store_true", help="continue the run in --out with "
+                     "its own settings (--max-steps and --device may change)")
+    run.add_argument("--stop-at", type=int, help="stop (and checkpoint) at this step")
+    run.add_argument("--threads", type=int, help="torch threads (default: PyTorch's)")
+    run.add_argument("--compile", action="store_true",
+                     help="torch.compile the steps (needs a C++ compiler)")
+    run.add_argument("--progress", action=argparse.BooleanOptionalAction,
+                     help=f"show a progress bar (default: {default(TrainFlags, 'progress')})")
+    run.add_argument("--nproc-per-node", type=int, help="processes to start (torchrun)")
+    run.add_argument("--master-port", type=int,
+                     help="their port on 127.0.0.1 (default: a free one)")
+    run.add_argument("--backend", choices=("gloo", "nccl"),
+                     help="default: nccl on CUDA, gloo otherwise")
+    run.add_argument("--global-batch-size", type=int, help="sequences a step sees over all "
+                     "the processes; sets --grad-accum")
 
+    cpu = GPTConfig.shakespeare_cpu(vocab_size=65)  # the defaults (V comes from the text)
+    model = p.add_argument_group("model (default: GPTConfig.shakespeare_cpu; --recipe "
+                                 "modern: GPTConfig.modern)")
+    model.add_argument("--context-length", type=int, help="T_max, the longest sequence the "
+                       f"model reads (default: {cpu.context_length})")
+    model.add_argument("--d-model", type=int,
+                       help=f"D, the width of the residual stream (default: {cpu.d_model})")
+    model.add_argument("--n-heads", type=int,
+                       help=f"H, attention heads a layer (default: {cpu.n_heads})")
+    model.add_argument("--n-layers", type=int,
+                       help=f"L, decoder blocks (default: {cpu.n_layers})")
+    model.add_argument("--d-ff", type=int, help="the feed-forward layer's width (4 D, or "
+                       "8D/3 rounded up to a multiple of 8 with --activation swiglu)")
+    model.add_argument("--dropout", type=float,
+                       help=f"dropout probability, in [0, 1) (default: {cpu.dropout})")
+    model.add_argument("--bias", action=argparse.BooleanOptionalAction,
+                       help=f"linear layers and norms carry a bias (default: {cpu.bias})")
+    model.add_argument("--tie-weights", action=argparse.BooleanOptionalAction,
+                       help="the output head shares the token embedding (default: "
+                       f"{cpu.tie_weights})")
+    model.add_argument("--positional", choices=("learned", "sinusoidal", "rope"),
+                       help="positions added to the input (learned, sinusoidal), or rotary "
+                       f"ones that turn queries and keys (default: {cpu.positional})")
+    model.add_argument("--layer-norm-eps", type=float, help="epsilon inside every norm's "
+                       f"square root (default: {cpu.layer_norm_eps})")
+    model.add_argument("--activation", choices=("gelu_tanh", "gelu", "relu2", "swiglu"),
+                       help="the feed-forward non-linearity: gelu_tanh is GPT-2's, gelu the "
+                       f"exact one (default: {cpu.activation})")
+    model.add_argument("--norm", choices=("layernorm", "rmsnorm"),
+                       help=f"the normalisation (default: {cpu.norm})")
+    model.add_argument("--norm-weight", action=argparse.BooleanOptionalAction,
+                       help=f"each norm has a learned gain (default: {cpu.norm_weight})")
+    model.add_argument("--qk-norm", action=argparse.BooleanOptionalAction, help="normalise "
+                       f"each head's queries and keys (default: {cpu.qk_norm})")
+    model.add_argument("--n-kv-heads", type=int, help="key-value heads (grouped-query "
+                       "attention; 1 is multi-query); must divide --n-heads (default: "
+                       "--n-heads)")
+    model.add_argument("--rope-base", type=float, help="the base of the rotary frequencies "
+                       f"(default: {cpu.rope_base})")
+    model.add_argument("--zero-init", action=argparse.BooleanOptionalAction, help="each "
+                       "block's output projections start at zero (and an untied head) "
+                       f"(default: {cpu.zero_init})")
 
-# -------------------------------------------------------------------- settings models
+    t = TrainConfig()  # the defaults
+    opt = p.add_argument_group("optimisation (default: TrainConfig's; --recipe modern: "
+                               "TrainConfig.modern)")
+    opt.add_argument("--batch-size", type=int,
+                     help=f"B, sequences a micro-batch, per process (default: {t.batch_size})")
+    opt.add_argument("--grad-accum", type=int,
+                     help=f"micro-batches an optimiser step (default: {t.grad_accum})")
+    opt.add_argument("--max-steps", type=int,
+                     help=f"optimiser steps of the whole run (default: {t.max_steps})")
+    opt.add_argument("--lr", type=float,
+                     help=f"peak learning rate, reached after the warm-up (default: {t.lr})")
+    opt.add_argument("--min-lr", type=float,
+                     help=f"the learning rate the schedule decays to (default: {t.min_lr})")
+    opt.add_argument("--warmup-steps", type=int, help="steps of linear warm-up (default: "
+                     f"{default(TrainConfig, 'warmup_steps')}, or --decay-steps if fewer)")
+    opt.add_argument("--decay-steps", type=int, help="the step at which the schedule reaches "
+                     "--min-lr (default: --max-steps)")
+    opt.add_argument("--weight-decay", type=float, help="AdamW's weight decay, on matrices "
+                     f"only (default: {t.weight_decay})")
+    opt.add_argument("--beta1", type=float,
+                     help=f"AdamW's first-moment decay rate (default: {t.beta1})")
+    opt.add_argument("--beta2", type=float,
+                     help=f"AdamW's second-moment decay rate (default: {t.beta2})")
+    opt.add_argument("--grad-clip", type=float, help="largest gradient norm, 0 for no "
+                     f"clipping (default: {t.grad_clip})")
+    opt.add_argument("--eval-interval", type=int, help="evaluate and checkpoint every this "
+                     f"many steps (default: {t.eval_interval})")
+    opt.add_argument("--eval-steps", type=int,
+                     help=f"batches a split in each evaluation (default: {t.eval_steps})")
+    opt.add_argument("--eval-full", action=argparse.BooleanOptionalAction, help="score each "
+                     "evaluation's validation loss on the whole split: slower, no sampling "
+                     f"noise (default: {t.eval_full})")
+    opt.add_argument("--seed", type=int, help="seeds the initial weights, the batches and "
+                     f"dropout (default: {t.seed})")
+    opt.add_argument("--bf16", action=argparse.BooleanOptionalAction,
+                     help=f"bf16 autocast for forward passes (default: {t.bf16})")
+    opt.add_argument("--device", help=f"cpu, cuda, cuda:1, ... (default: {t.device})")
+    opt.add_argument("--optimizer", choices=("adamw", "muon"), help="muon: Muon for the "
+                     f"hidden matrices, AdamW for the rest (default: {t.optimizer})")
+    opt.add_argument("--muon-lr", type=float,
+                     help=f"Muon's peak learning rate (default: {t.muon_lr})")
+    opt.add_argument("--muon-momentum", type=float,
+                     help=f"Muon's (Nesterov) momentum (default: {t.muon_momentum})")
+    opt.add_argument("--schedule", choices=("cosine", "trapezoid"), help="warm-up, then a "
+                     "cosine decay, or a constant rate and a linear cool-down (default: "
+                     f"{t.schedule})")
+    opt.add_argument("--cooldown-fraction", type=float, help="the trapezoid's cool-down, a "
+                     f"fraction of --decay-steps (default: {t.cooldown_fraction})")
+
 
 class TrainFlags(BaseModel):
-    """How `train` runs, besides the model (`GPTConfig`) and the optimisation (`TrainConfig`)."""
+    """The run flags of `train` (its model flags are `GPTConfig`'s, the others
+    `TrainConfig`'s)."""
 
-    out: Path = Field(description="folder of checkpoint.pt, metrics.json, history.json, ids")
-    text: Path | None = Field(None, description="UTF-8 text (default: Shakespeare's plays)")
-    tokenizer: Literal[KINDS] = Field("char", description="bpe: trained on the train split")  # type: ignore[valid-type]
-    bpe_vocab_size: int | None = Field(None, ge=2, description="V of --tokenizer bpe (512)")
-    resume: bool = Field(False, description="continue the run in --out, with its settings")
-    stop_at: int | None = Field(None, ge=0, description="stop (and checkpoint) at this step")
-    threads: int | None = Field(None, ge=1, description="torch.set_num_threads")
-    compile: bool = Field(False, description="torch.compile the steps (needs a C++ compiler)")
-    progress: bool = Field(True, description="show a progress bar")
-    nproc_per_node: int | None = Field(None, ge=1, description="processes to start (torchrun)")
-    master_port: int | None = Field(None, ge=1, le=65535, description="their port on 127.0.0.1")
-    backend: Literal["gloo", "nccl"] | None = Field(None, description="default: nccl on CUDA")
-    global_batch_size: int | None = Field(None, ge=1, description="sets --grad-accum")
-    recipe: Literal["gpt2", "modern"] = Field("gpt2", description="modern: the modern GPT's "
-                                              "layout and training (minigpt.config.MODERN_LAYOUT, "
-                                              "minigpt.config.MODERN_TRAINING) under the flags")
+    out: Path
+    text: Path | None = None
+    tokenizer: Literal[KINDS] = "char"  # type: ignore[valid-type]
+    bpe_vocab_size: int | None = Field(None, ge=2)
+    recipe: Literal["gpt2", "modern"] = "gpt2"
+    resume: bool = False
+    stop_at: int | None = Field(None, ge=0)
+    threads: int | None = Field(None, ge=1)
+    compile: bool = False
+    progress: bool = True
+    nproc_per_node: int | None = Field(None, ge=1)
+    master_port: int | None = Field(None, ge=1, le=65535)
+    backend: Literal["gloo", "nccl"] | None = None
+    global_batch_size: int | None = Field(None, ge=1)
+    # TrainConfig's own device (here too, so that this machine can run it, as every
+    # command's --device is checked: TrainConfig alone lets `meta` through to training).
+    device: Device | None = None
 
     @model_validator(mode="after")
     def _bpe_size_needs_bpe(self) -> TrainFlags:
@@ -219,107 +259,25 @@ class TrainFlags(BaseModel):
         return self
 
 
-class AssetsSettings(BaseModel):
-    check: bool = Field(False, description="only verify what is in the cache; exit 1 if "
-                        "anything is missing")
-    cache: Path | None = Field(None, description="cache folder (default: $MINIGPT_CACHE or "
-                               "~/.cache/minigpt)")
+def _fields(given: dict[str, Any], settings: type[BaseModel]) -> dict[str, Any]:
+    """The flags given that set a field of ``settings`` (`train`'s set three models)."""
+    return {k: v for k, v in given.items() if k in settings.model_fields}
 
 
-def _cached_model(name: str) -> str:
-    # Checked against the registry as it is when the command runs, not when this loads.
-    if name not in assistant.MODELS:
-        raise ValueError(f"invalid choice: {name!r} (choose from "
-                         f"{', '.join(sorted(assistant.MODELS))})")
-    return name
+#: What `train --resume` accepts besides --out: the run's settings are the checkpoint's.
+_RESUMABLE = {"max_steps", "device", "stop_at", "progress", "threads", "compile", "out",
+              "resume", "backend", "nproc_per_node", "master_port"}
 
-
-#: The name of a model set-up caches (`minigpt.assistant.MODELS`).
-ModelName = Annotated[str, AfterValidator(_cached_model)]
-_NAMES = ", ".join(sorted(assistant.MODELS))
-
-
-class PretrainedSettings(BaseModel):
-    # The cached models are trained on the CPU, the same bits on every machine: no --device.
-    only: list[ModelName] | None = Field(None, description=f"only this model ({_NAMES}; "
-                                         "repeatable; default: all)")
-    quiet: bool = Field(False, description="no progress bar")
-
-
-class ModelSettings(BaseModel):
-    """A model to start from or to talk to: a run's checkpoint, or a cached model."""
-
-    checkpoint: Path | None = Field(None, description="a run's folder (its checkpoint.pt)")
-    model: ModelName | None = Field(None, description=f"a cached model ({_NAMES}; default: "
-                                    "modern for sft, sft-0 otherwise)")
-    device: Device = Field("cpu", description="where the model runs: cpu, cuda, cuda:1, ...")
-
-
-class ChatSettings(ModelSettings):
-    max_new_tokens: int = Field(32, ge=1, description="the longest answer, in tokens")
-
-
-class TaskSettings(ModelSettings):
-    """The model and the tasks it learns from or is scored on (`minigpt.assistant.seen_tasks`:
-    made from the part of the text a base model trains on, as set-up makes the assistants')."""
-
-    text: Path | None = Field(None, description="UTF-8 plays to make tasks from, their first "
-                              f"{ASSISTANT_RECIPE.base.train_fraction:.0%} (default: "
-                              "Shakespeare's)")
-    n_train: int = Field(ASSISTANT_RECIPE.n_train, ge=1, description="training tasks a family")
-    n_test: int = Field(ASSISTANT_RECIPE.n_test, ge=1, description="held-out tasks a family")
-    task_seed: int = Field(ASSISTANT_RECIPE.task_seed, ge=0, description="seed of the tasks")
-
-
-class EvalSettings(TaskSettings):
-    items: int = Field(1000, ge=1, description="multiple-choice items")
-
-
-class TuningSettings(TaskSettings):
-    """A tuning run: where it writes, its steps, rate and seed (the defaults: fine-tuning's,
-    `minigpt.sft.SFT_TRAINING`)."""
-
-    out: Path = Field(description="folder for checkpoint.pt and metrics.json")
-    steps: int = Field(SFT_TRAINING["max_steps"], ge=1, description="optimiser steps")
-    lr: float = Field(SFT_TRAINING["lr"], gt=0, description="peak learning rate (a tenth "
-                      "of it at the end)")
-    seed: int = Field(SFT_TRAINING["seed"], ge=0, description="training seed")
-    threads: int | None = Field(None, ge=1, description="torch.set_num_threads (default: "
-                                "PyTorch's)")
-    quiet: bool = Field(False, description="no progress bar")
-
-
-class SftSettings(TuningSettings):
-    """Fine-tuning: `minigpt.sft.SFT_TRAINING` with these steps, rate and seed, on
-    conversations of up to ``max_turns`` questions, the fine-tuned model reading
-    ``context_length`` tokens."""
-
-    max_turns: int = Field(ASSISTANT_RECIPE.max_turns, ge=1, description="questions a "
-                           "training conversation holds, at most")
-    context_length: int = Field(ASSISTANT_RECIPE.context_length, ge=2, description=(
-        "the context the fine-tuned model reads (a model with rotary or sinusoidal "
-        "positions can read more than it was trained on)"))
-
-
-class DpoSettings(TuningSettings):
-    """Preference tuning: `minigpt.dpo.DPO_TRAINING` with these steps, rate and seed."""
-
-    steps: int = Field(DPO_TRAINING["max_steps"], ge=1, description="optimiser steps")
-    lr: float = Field(DPO_TRAINING["lr"], gt=0, description="peak learning rate (a tenth "
-                      "of it at the end)")
-    seed: int = Field(DPO_TRAINING["seed"], ge=0, description="training seed")
-    beta: float = Field(ASSISTANT_RECIPE.beta, gt=0, allow_inf_nan=False,
-                        description="DPO's KL weight")
-
-
-# --------------------------------------------------------------------------- train
 
 def train_command(given: dict[str, Any], argv: list[str]) -> int:
     """A new run from the flags, or (--resume) the run saved in --out with its settings;
     on this process, or on --nproc-per-node processes started by torchrun."""
     run = TrainFlags(**_fields(given, TrainFlags))
-    if run.threads is not None:
-        torch.set_num_threads(run.threads)
+    with _threads(run.threads):
+        return _train(run, given, argv)
+
+
+def _train(run: TrainFlags, given: dict[str, Any], argv: list[str]) -> int:
     if run.out.exists() and not run.out.is_dir():
         raise ValueError(f"--out {run.out} exists and is not a directory")
     shape: GPTConfig | None = None  # a new run's: made with its tokenizer, from the text
@@ -376,6 +334,9 @@ def _new_model(run: TrainFlags, given: dict[str, Any],
     return make(tokenizer.vocab_size, **_fields(given, GPTConfig)), tokenizer, text, source
 
 
+_LAUNCHER_FLAGS = ("--nproc-per-node", "--master-port")
+
+
 def launch(run: TrainFlags, config: TrainConfig, argv: Sequence[str]) -> int:
     """Start --nproc-per-node copies of this command with torchrun, after refusing what
     cannot work: a backend the run's device (``config.device``: a resumed run's is the
@@ -410,108 +371,134 @@ def launch(run: TrainFlags, config: TrainConfig, argv: Sequence[str]) -> int:
     return 0
 
 
-# -------------------------------------------------------------- sample, assets, pretrained
+# ------------------------------------------------------------------------------- sample
+
+def add_sample(commands: Commands) -> None:
+    p = add_command(commands, "sample", sample_command,
+                    "continue a prompt with a trained checkpoint")
+    s = SampleSettings
+    p.add_argument("--checkpoint", type=Path, required=True,
+                   help="the --out folder of `python -m minigpt train`")
+    p.add_argument("--prompt", help=f"text to continue (default: {default(s, 'prompt')!r})")
+    p.add_argument("--max-new-tokens", type=int,
+                   help=f"tokens to add (default: {default(s, 'max_new_tokens')})")
+    p.add_argument("--temperature", type=float, help="0 is greedy (default: 1)")
+    p.add_argument("--top-k", type=int, help="sample among the k most likely tokens only")
+    p.add_argument("--top-p", type=float, help="sample among the fewest most likely tokens "
+                   "whose probabilities add up to p")
+    p.add_argument("--greedy", action="store_true", help="always take the most likely token")
+    p.add_argument("--seed", type=int, help=f"seeds the sampler (default: {default(s, 'seed')})")
+    p.add_argument("--num-samples", type=int, help="independent continuations to print "
+                   f"(default: {default(s, 'num_samples')})")
+    p.add_argument("--cache", action=argparse.BooleanOptionalAction, help="keep a key-value "
+                   f"cache (--no-cache: slower, the same tokens) (default: {default(s, 'cache')})")
+    p.add_argument("--device", help=f"cpu, cuda, cuda:1, ... (default: {default(s, 'device')})")
+    search = p.add_mutually_exclusive_group()
+    search.add_argument("--beams", type=int, help="beam search with this many beams: the most "
+                        "likely continuation found, no sampling")
+    search.add_argument("--draft", type=Path, help="speculative sampling: a smaller model's "
+                        "checkpoint (the same tokenizer) proposes, this one checks")
+    p.add_argument("--speculate", type=int,
+                   help="tokens the draft proposes a round (default: 4; needs --draft)")
+
 
 def sample_command(given: dict[str, Any], argv: list[str]) -> int:
     print(("\n" + "-" * 40 + "\n").join(sample_texts(SampleSettings(**given))))
     return 0
 
 
-def assets_command(given: dict[str, Any], argv: list[str]) -> int:
-    s = AssetsSettings(**given)
-    if not s.check:
-        assets.ensure_assets(s.cache)
-        return 0
-    for name, path in assets.check_assets(s.cache).items():
-        print(f"{name}: verified at {path}")
-    return 0
+# -------------------------------------------------------- the assistant's stages: shared
+
+def model_flags(p: argparse.ArgumentParser, settings: type[ModelSettings]) -> None:
+    """--checkpoint or --model (not both), and --device."""
+    start = p.add_mutually_exclusive_group()
+    start.add_argument("--checkpoint", type=Path, help="a run's folder (its checkpoint.pt)")
+    start.add_argument("--model", help=f"a cached model: {', '.join(sorted(assistant.MODELS))}"
+                       f" (default: {default(settings, 'model')})")
+    p.add_argument("--device", help="where the model runs: cpu, cuda, cuda:1, ... (default: "
+                   f"{default(settings, 'device')})")
 
 
-def pretrained_command(given: dict[str, Any], argv: list[str]) -> int:
-    s = PretrainedSettings(**given)
-    for name in s.only or list(assistant.MODELS):
-        model, _, info = assistant.MODELS[name](progress=not s.quiet)
-        what = (f"trained in {info.metrics['total_seconds']:.0f} s" if info.built
-                else "loaded and verified")
-        print(f"{name} model ({model.num_parameters():,} parameters, validation loss "
-              f"{info.metrics['final_val_loss']:.3f}): {what}; {info.path}")
-    return 0
+def task_flags(p: argparse.ArgumentParser) -> None:
+    """The text the tasks are made from, how many, and their seed."""
+    p.add_argument("--text", type=Path, help="UTF-8 plays to make the tasks from, their first"
+                   f" {ASSISTANT_RECIPE.base.train_fraction:.0%}% (default: Shakespeare's)")
+    p.add_argument("--n-train", type=int, help="training tasks a family (default: "
+                   f"{default(TaskSettings, 'n_train')})")
+    p.add_argument("--n-test", type=int, help="held-out tasks a family (default: "
+                   f"{default(TaskSettings, 'n_test')})")
+    p.add_argument("--task-seed", type=int,
+                   help=f"the seed of the tasks (default: {default(TaskSettings, 'task_seed')})")
 
 
-# ---------------------------------------------------------------- the assistant's stages
-
-def sft_command(given: dict[str, Any], argv: list[str]) -> int:
-    s = SftSettings(**given)
-    # Joining the process group first gives each rank its GPU (cuda:LOCAL_RANK) to load onto.
-    with _processes(s.device, s.threads) as ctx:
-        base, tokenizer, name = load_any(s, "modern", ctx.device)
-        if CHAT_TOKENS[0] in tokenizer.special_tokens:
-            raise ValueError(f"{name} already has the chat tokens; sft starts from a base model")
-        T = base.config.context_length
-        if s.context_length != T and base.config.positional == "learned":
-            raise ValueError(f"{name} has learned positions, weights for exactly {T} of them: "
-                             f"pass --context-length {T}, or start from a model with rotary "
-                             "positions (--model modern) to read a longer context")
-        tasks = _tasks(s)
-        result, chat = finetune(base, tokenizer, tasks.train, tasks.test,  # type: ignore[arg-type]
-                                _config(SFT_TRAINING, s), max_turns=s.max_turns,
-                                context_length=s.context_length, out_dir=s.out,
-                                progress=not s.quiet, ctx=ctx)
-        if ctx.is_main:
-            _write(s.out, result.metrics | {"exact_match": exact_match(
-                result.model, chat, tasks.test)})
-    return 0
+def tuning_flags(p: argparse.ArgumentParser, settings: type[TuningSettings]) -> None:
+    """Where a tuning run writes, its steps, rate, seed and threads."""
+    p.add_argument("--out", type=Path, required=True,
+                   help="folder for checkpoint.pt and metrics.json")
+    p.add_argument("--steps", type=int,
+                   help=f"optimiser steps (default: {default(settings, 'steps')})")
+    p.add_argument("--lr", type=float, help="peak learning rate, a tenth of it at the end "
+                   f"(default: {default(settings, 'lr')})")
+    p.add_argument("--seed", type=int, help=f"training seed (default: {default(settings, 'seed')})")
+    p.add_argument("--threads", type=int, help="torch threads (default: PyTorch's)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def dpo_command(given: dict[str, Any], argv: list[str]) -> int:
-    s = DpoSettings(**given)
-    # As sft: the policy, and the frozen reference copied from it, on this rank's GPU.
-    with _processes(s.device, s.threads) as ctx:
-        policy, tokenizer, name = load_any(s, "sft-0", ctx.device)
-        require_chat(tokenizer, name)
-        tasks = _tasks(s)
-        result, _ = train_dpo(policy, tokenizer, make_pairs(tasks.train, seed=0),
-                              make_pairs(tasks.test, seed=1), _config(DPO_TRAINING, s),
-                              beta=s.beta, out_dir=s.out, progress=not s.quiet, ctx=ctx)
-        if ctx.is_main:
-            _write(s.out, result.metrics | {"beta": s.beta, "exact_match": exact_match(
-                result.model, tokenizer, tasks.test)})
-    return 0
+def _cached_model(name: str) -> str:
+    # Checked against the registry as it is when the command runs, not when this loads.
+    if name not in assistant.MODELS:
+        raise ValueError(f"invalid choice: {name!r} (choose from "
+                         f"{', '.join(sorted(assistant.MODELS))})")
+    return name
 
 
-def eval_command(given: dict[str, Any], argv: list[str]) -> int:
-    s = EvalSettings(**given)
-    model, tokenizer, name = load_any(s, "sft-0")
-    text = _text(s)
-    tasks = _tasks(s, text)
-    print(format_table(benchmark_table({name: (model, tokenizer)}, text, n_items=s.items,
-                                       tasks=tasks.test, shots=tasks.train)))
-    return 0
+#: The name of a model set-up caches (`minigpt.assistant.MODELS`).
+ModelName = Annotated[str, AfterValidator(_cached_model)]
 
 
-def chat_command(given: dict[str, Any], argv: list[str]) -> int:
-    s = ChatSettings(**given)
-    model, tokenizer, name = load_any(s, "sft-0")
-    require_chat(tokenizer, name)
-    print(f"chatting with {s.checkpoint or name} (context {model.config.context_length} "
-          "tokens; the oldest turns are dropped when the conversation outgrows it); end with "
-          "Ctrl-D or Ctrl-C")
-    chat_loop(model, tokenizer, sys.stdin, sys.stdout, max_new_tokens=s.max_new_tokens)
-    return 0
+class ModelSettings(BaseModel):
+    """A model to start from or to talk to: a run's checkpoint, else a cached model."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    checkpoint: Path | None = None
+    model: ModelName = "sft-0"
+    device: Device = "cpu"
 
 
-def load_any(s: ModelSettings, default: str, device: torch.device | str | None = None,
+class TaskSettings(ModelSettings):
+    """The model and the tasks it learns from or is scored on (`minigpt.assistant.seen_tasks`:
+    made from the part of the text a base model trains on, as set-up makes the assistants')."""
+
+    text: Path | None = None
+    n_train: int = Field(ASSISTANT_RECIPE.n_train, ge=1)
+    n_test: int = Field(ASSISTANT_RECIPE.n_test, ge=1)
+    task_seed: int = Field(ASSISTANT_RECIPE.task_seed, ge=0)
+
+
+class TuningSettings(TaskSettings):
+    """A tuning run: where it writes, its steps, rate and seed (fine-tuning's defaults,
+    `minigpt.sft.SFT_TRAINING`), and its torch threads."""
+
+    out: Path
+    steps: int = Field(SFT_TRAINING["max_steps"], ge=1)
+    lr: float = Field(SFT_TRAINING["lr"], gt=0)
+    seed: int = Field(SFT_TRAINING["seed"], ge=0)
+    threads: int | None = Field(None, ge=1)
+    quiet: bool = False
+
+
+def load_any(s: ModelSettings, device: torch.device | str | None = None,
              ) -> tuple[GPT, Tokenizer, str]:
-    """The model of ``--checkpoint`` or ``--model`` (``default`` if neither) on ``device``
-    (default: ``--device``; a rank of a process group passes its own), its tokenizer and a
-    name for it."""
+    """The model of ``--checkpoint``, else of ``--model``, on ``device`` (default:
+    ``--device``; a rank of a process group passes its own), its tokenizer and a name for
+    it."""
     device = s.device if device is None else device
     if s.checkpoint is not None:
         model, tokenizer, _ = load_model(s.checkpoint, device=device)
         return model, tokenizer, s.checkpoint.name or str(s.checkpoint)
-    name = s.model or default
-    model, tokenizer, _ = assistant.MODELS[name]()
-    return model.to(device), tokenizer, name
+    model, tokenizer, _ = assistant.MODELS[s.model]()
+    return model.to(device), tokenizer, s.model
 
 
 def require_chat(tokenizer: Tokenizer, where: str) -> None:
@@ -543,12 +530,8 @@ def _config(recipe: dict[str, Any], s: TuningSettings) -> TrainConfig:
 @contextmanager
 def _processes(device: str, threads: int | None = None) -> Iterator[parallel.DistContext]:
     """This process's place in the run (a process group if torchrun started it), shut down
-    after; with ``threads``, that many torch threads for the run (the count before comes
-    back after)."""
-    # Only set-up pins the thread count (`pretrained.threads`), for cached weights that are
-    # the same bits on every run; a user's run keeps PyTorch's default (every core; one a
-    # rank under torchrun, which sets OMP_NUM_THREADS) unless --threads says otherwise.
-    with pretrained.threads(threads) if threads is not None else nullcontext():
+    after; with ``threads``, that many torch threads for the run."""
+    with _threads(threads):
         ctx = parallel.init_distributed(device)
         try:
             yield ctx
@@ -556,7 +539,242 @@ def _processes(device: str, threads: int | None = None) -> Iterator[parallel.Dis
             parallel.shutdown(ctx)
 
 
+def _threads(n: int | None) -> AbstractContextManager[None]:
+    """With ``n``, that many torch threads for the block (the count before comes back
+    after)."""
+    # Only set-up pins the thread count (`pretrained.threads`), for cached weights that are
+    # the same bits on every run; a user's run keeps PyTorch's default (every core; one a
+    # rank under torchrun, which sets OMP_NUM_THREADS) unless --threads says otherwise.
+    return nullcontext() if n is None else pretrained.threads(n)
+
+
 def _write(out: Path, metrics: dict[str, Any]) -> None:
     atomic_write(out / METRICS_NAME, (json.dumps(metrics, indent=1) + "\n").encode())
     print(json.dumps(metrics["exact_match"]))
     print(f"wrote {out / CHECKPOINT_NAME} and {out / METRICS_NAME}")
+
+
+# ---------------------------------------------------------------------------------- sft
+
+def add_sft(commands: Commands) -> None:
+    p = add_command(commands, "sft", sft_command,
+                    "fine-tune a base model to answer the verifiable tasks")
+    model_flags(p, SftSettings)
+    task_flags(p)
+    tuning_flags(p, SftSettings)
+    p.add_argument("--max-turns", type=int, help="questions a training conversation holds, "
+                   f"at most (default: {default(SftSettings, 'max_turns')})")
+    p.add_argument("--context-length", type=int, help="the context the fine-tuned model "
+                   "reads (with rotary or sinusoidal positions, it can be longer than the "
+                   f"base model's) (default: {default(SftSettings, 'context_length')})")
+
+
+class SftSettings(TuningSettings):
+    """Fine-tuning: `minigpt.sft.SFT_TRAINING` with these steps, rate and seed, on
+    conversations of up to ``max_turns`` questions, the fine-tuned model reading
+    ``context_length`` tokens."""
+
+    model: ModelName = "modern"
+    max_turns: int = Field(ASSISTANT_RECIPE.max_turns, ge=1)
+    context_length: int = Field(ASSISTANT_RECIPE.context_length, ge=2)
+
+
+def sft_command(given: dict[str, Any], argv: list[str]) -> int:
+    s = SftSettings(**given)
+    # Joining the process group first gives each rank its GPU (cuda:LOCAL_RANK) to load onto.
+    with _processes(s.device, s.threads) as ctx:
+        base, tokenizer, name = load_any(s, ctx.device)
+        if CHAT_TOKENS[0] in tokenizer.special_tokens:
+            raise ValueError(f"{name} already has the chat tokens; sft starts from a base model")
+        T = base.config.context_length
+        if s.context_length != T and base.config.positional == "learned":
+            raise ValueError(f"{name} has learned positions, weights for exactly {T} of them: "
+                             f"pass --context-length {T}, or start from a model with rotary "
+                             "positions (--model modern) to read a longer context")
+        tasks = _tasks(s)
+        result, chat = finetune(base, tokenizer, tasks.train, tasks.test,  # type: ignore[arg-type]
+                                _config(SFT_TRAINING, s), max_turns=s.max_turns,
+                                context_length=s.context_length, out_dir=s.out,
+                                progress=not s.quiet, ctx=ctx)
+        if ctx.is_main:
+            _write(s.out, result.metrics | {"exact_match": exact_match(
+                result.model, chat, tasks.test)})
+    return 0
+
+
+# ---------------------------------------------------------------------------------- dpo
+
+def add_dpo(commands: Commands) -> None:
+    p = add_command(commands, "dpo", dpo_command, "preference-tune a fine-tuned model with DPO")
+    model_flags(p, DpoSettings)
+    task_flags(p)
+    tuning_flags(p, DpoSettings)
+    p.add_argument("--beta", type=float,
+                   help=f"DPO's KL weight (default: {default(DpoSettings, 'beta')})")
+
+
+class DpoSettings(TuningSettings):
+    """Preference tuning: `minigpt.dpo.DPO_TRAINING` with these steps, rate and seed."""
+
+    steps: int = Field(DPO_TRAINING["max_steps"], ge=1)
+    lr: float = Field(DPO_TRAINING["lr"], gt=0)
+    seed: int = Field(DPO_TRAINING["seed"], ge=0)
+    beta: float = Field(ASSISTANT_RECIPE.beta, gt=0, allow_inf_nan=False)
+
+
+def dpo_command(given: dict[str, Any], argv: list[str]) -> int:
+    s = DpoSettings(**given)
+    # As sft: the policy, and the frozen reference copied from it, on this rank's GPU.
+    with _processes(s.device, s.threads) as ctx:
+        policy, tokenizer, name = load_any(s, ctx.device)
+        require_chat(tokenizer, name)
+        tasks = _tasks(s)
+        result, _ = train_dpo(policy, tokenizer, make_pairs(tasks.train, seed=0),
+                              make_pairs(tasks.test, seed=1), _config(DPO_TRAINING, s),
+                              beta=s.beta, out_dir=s.out, progress=not s.quiet, ctx=ctx)
+        if ctx.is_main:
+            _write(s.out, result.metrics | {"beta": s.beta, "exact_match": exact_match(
+                result.model, tokenizer, tasks.test)})
+    return 0
+
+
+# --------------------------------------------------------------------------------- chat
+
+def add_chat(commands: Commands) -> None:
+    p = add_command(commands, "chat", chat_command, "talk with a fine-tuned model in the "
+                    "terminal")
+    model_flags(p, ChatSettings)
+    p.add_argument("--max-new-tokens", type=int, help="the longest answer, in tokens "
+                   f"(default: {default(ChatSettings, 'max_new_tokens')})")
+
+
+class ChatSettings(ModelSettings):
+    max_new_tokens: int = Field(32, ge=1)
+
+
+def chat_command(given: dict[str, Any], argv: list[str]) -> int:
+    s = ChatSettings(**given)
+    model, tokenizer, name = load_any(s)
+    require_chat(tokenizer, name)
+    print(f"chatting with {s.checkpoint or name} (context {model.config.context_length} "
+          "tokens; the oldest turns are dropped when the conversation outgrows it); end with "
+          "Ctrl-D or Ctrl-C")
+    chat_loop(model, tokenizer, sys.stdin, sys.stdout, max_new_tokens=s.max_new_tokens)
+    return 0
+
+
+# --------------------------------------------------------------------------------- eval
+
+def add_eval(commands: Commands) -> None:
+    p = add_command(commands, "eval", eval_command, "print the benchmark table of a model")
+    model_flags(p, EvalSettings)
+    task_flags(p)
+    p.add_argument("--items", type=int,
+                   help=f"multiple-choice items (default: {default(EvalSettings, 'items')})")
+
+
+class EvalSettings(TaskSettings):
+    items: int = Field(1000, ge=1)
+
+
+def eval_command(given: dict[str, Any], argv: list[str]) -> int:
+    s = EvalSettings(**given)
+    model, tokenizer, name = load_any(s)
+    text = _text(s)
+    tasks = _tasks(s, text)
+    print(format_table(benchmark_table({name: (model, tokenizer)}, text, n_items=s.items,
+                                       tasks=tasks.test, shots=tasks.train)))
+    return 0
+
+
+# ------------------------------------------------------------------------------- assets
+
+def add_assets(commands: Commands) -> None:
+    p = add_command(commands, "assets", assets_command, "fetch (the archive files alone) and "
+                    "verify the corpus and GPT-2's BPE ranks")
+    p.add_argument("--check", action="store_true", help="only verify what is in the cache; "
+                   "exit 1 if anything is missing")
+    p.add_argument("--cache", type=Path,
+                   help="cache folder (default: $MINIGPT_CACHE or ~/.cache/minigpt)")
+
+
+class AssetsSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    check: bool = False
+    cache: Path | None = None
+
+
+def assets_command(given: dict[str, Any], argv: list[str]) -> int:
+    s = AssetsSettings(**given)
+    if not s.check:
+        assets.ensure_assets(s.cache)
+        return 0
+    for name, path in assets.check_assets(s.cache).items():
+        print(f"{name}: verified at {path}")
+    return 0
+
+
+# --------------------------------------------------------------------------- pretrained
+
+def add_pretrained(commands: Commands) -> None:
+    p = add_command(commands, "pretrained", pretrained_command,
+                    "train (once) and verify the models the chapters share")
+    # The cached models are trained on the CPU, the same bits on every machine: no --device.
+    p.add_argument("--only", action="append", help="only this model: "
+                   f"{', '.join(sorted(assistant.MODELS))} (repeatable; default: all)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+class PretrainedSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    only: list[ModelName] | None = None
+    quiet: bool = False
+
+
+def pretrained_command(given: dict[str, Any], argv: list[str]) -> int:
+    s = PretrainedSettings(**given)
+    for name in s.only or list(assistant.MODELS):
+        model, _, info = assistant.MODELS[name](progress=not s.quiet)
+        what = (f"trained in {info.metrics['total_seconds']:.0f} s" if info.built
+                else "loaded and verified")
+        print(f"{name} model ({model.num_parameters():,} parameters, validation loss "
+              f"{info.metrics['final_val_loss']:.3f}): {what}; {info.path}")
+    return 0
+
+
+# -------------------------------------------------------------- errors, under their flags
+
+def flag(name: str) -> str:
+    """The flag that sets field ``name``: ``max_steps`` -> ``--max-steps``."""
+    return "--" + name.replace("_", "-")
+
+
+def explain(err: ValidationError) -> str:
+    """A settings model's errors as one line, each under the flag that set its field
+    (``--lr: Input should be greater than 0``); a rule across fields is the model's own
+    sentence, with the config fields it names as flags (`as_flags`)."""
+    said = []
+    for e in err.errors():
+        # A ValueError raised by a validator is in the context as itself.
+        message = str(e["ctx"]["error"]) if e["type"] == "value_error" else e["msg"]
+        said.append(f"{flag(str(e['loc'][0]))}: {message}" if e["loc"] else as_flags(message))
+    return "; ".join(said)
+
+
+_CONFIG_FIELDS = {*GPTConfig.model_fields, *TrainConfig.model_fields}
+
+
+def as_flags(sentence: str) -> str:
+    """``sentence`` with each `GPTConfig` or `TrainConfig` field it names as its flag: a
+    word that is a field's name with an underscore (``warmup_steps``, ``max_steps):``), or
+    any field's name followed by its value (``lr (=0.1)``)."""
+    words = sentence.split(" ")
+    for i, word in enumerate(words):
+        name = word.rstrip("):,;")
+        after = words[i + 1] if i + 1 < len(words) else ""
+        if name in _CONFIG_FIELDS and ("_" in name or after.startswith("(=")):
+            words[i] = flag(name) + word[len(name):]
+    return " ".join(words)
+
