@@ -54,7 +54,7 @@ class GPTConfig(BaseModel):
             parameters) before their dot product, which bounds the attention logits.
         n_kv_heads: H_kv, key-value heads (grouped-query attention); None means H (GPT-2's
             multi-head attention), 1 is multi-query attention. Must divide n_heads.
-        rope_base: the base of the rotary frequencies, theta_i = base^(-2i/d_k).
+        rope_base: the base of the rotary frequencies, omega_i = base^(-2i/d_k).
         zero_init: initialise each residual branch's output projection (``c_proj``) and,
             when untied, the head to zero, so that every block starts as the identity.
     """
