@@ -182,8 +182,6 @@ def test_book_model_uses_the_corpus_and_keeps_the_callers_random_state(monkeypat
 
 
 def test_bad_arguments():
-    with pytest.raises(TypeError, match="Recipe"):
-        load_or_build({"n_layers": 1}, TEXT)
     with pytest.raises(ValueError, match="threads\n  Input should be greater than or equal to 1"):
         Recipe(threads=0)
     with pytest.raises(ValueError, match="train_fraction\n  Input should be less than 1"):

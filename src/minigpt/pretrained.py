@@ -325,8 +325,6 @@ def load_or_build(recipe: Recipe, text: str, *, progress: bool = False,
                   cache: Path | None = None) -> tuple[GPT, CharTokenizer, ModelInfo]:
     """The model `recipe` trains on `text`: loaded from the cache if it is there and intact,
     trained (and cached) otherwise. See `book_model`."""
-    if not isinstance(recipe, Recipe):
-        raise TypeError(f"recipe must be a Recipe, got {type(recipe).__name__}")
     if not isinstance(text, str) or len(text) < 2:
         raise ValueError("text must be a string of at least two characters")
     model, info = cached_model(key_material(recipe, text), partial(
@@ -347,20 +345,18 @@ def cached_model(material: dict[str, Any], build: Builder, *, progress: bool = F
     # Loading builds a GPT (random initial weights) and training seeds torch: fork the
     # generator so that the caller's random state is the same whichever path is taken.
     with torch.random.fork_rng(devices=[]), _locked(models / f".{key[:20]}.lock"):
-        built = False
-        try:
-            if not folder.exists():
-                raise FileNotFoundError(folder)
-            model, manifest = _load(folder, key, material)
-        except FileNotFoundError:
-            model, manifest = _store(folder, key, material, build(say, folder))
-            built = True
-        except CacheError as why:
-            message = f"the cached model in {folder} is not used: {why}; rebuilding it"
-            log.warning(message)
-            warnings.warn(message, RuntimeWarning, stacklevel=4)
-            model, manifest = _store(folder, key, material, build(say, folder))
-            built = True
+        loaded = None
+        if folder.exists():
+            try:
+                loaded = _load(folder, key, material)
+            except CacheError as why:
+                message = f"the cached model in {folder} is not used: {why}; rebuilding it"
+                log.warning(message)
+                warnings.warn(message, RuntimeWarning, stacklevel=4)
+        built = loaded is None
+        if loaded is None:
+            loaded = _store(folder, key, material, build(say, folder))
+        model, manifest = loaded
     info = ModelInfo(key=key, path=folder, built=built,
                      load_seconds=time.perf_counter() - start, manifest=manifest)
     return model, info
