@@ -164,14 +164,16 @@ def test_extending_the_context_keeps_every_weight_and_logit(positional: str) -> 
     assert new(torch.randint(0, 10, (1, 20))).shape == (1, 20, 10)
 
 
-def test_extending_the_context_asserts_what_its_callers_check() -> None:
-    # the command line refuses a longer context for learned positions where it enters
+def test_extending_the_context_errors() -> None:
+    # extend_context is where finetune's context_length is first checked
     learned = GPT(GPTConfig.debug(vocab_size=10, context_length=8))
-    with pytest.raises(AssertionError, match="learned positions have weights for 8 positions"):
+    with pytest.raises(ValueError, match="learned positions has weights for its 8 positions"):
         extend_context(learned, 16)
     rope = GPT(GPTConfig.debug(vocab_size=10, context_length=8, positional="rope"))
-    with pytest.raises(AssertionError, match="a context only grows"):
+    with pytest.raises(ValueError, match=r"an int >= the model's 8 \(a context only grows"):
         extend_context(rope, 4)
+    with pytest.raises(ValueError, match="context_length\n  Input should be a valid integer"):
+        extend_context(rope, 12.5)  # type: ignore[arg-type]
 
 
 def test_add_chat_tokens_and_reply() -> None:

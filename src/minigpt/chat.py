@@ -28,6 +28,7 @@ import regex
 import torch
 from torch import Tensor
 
+from minigpt.config import GPTConfig
 from minigpt.decoding import generate
 from minigpt.model import GPT
 from minigpt.tokenizer import (
@@ -213,9 +214,13 @@ def extend_context(model: GPT, context_length: int) -> GPT:
     how well it uses the positions it never trained on is for fine-tuning to teach.
     """
     old = model.config.context_length
-    assert context_length >= old, "a context only grows"
-    assert model.config.positional != "learned" or context_length == old, (
-        f"learned positions have weights for {old} positions only")
+    if context_length < old:
+        raise ValueError(f"context_length must be an int >= the model's {old} (a context "
+                         f"only grows), got {context_length!r}")
+    if model.config.positional == "learned" and context_length > old:
+        raise ValueError(f"a model with learned positions has weights for its {old} "
+                         f"positions only and cannot read {context_length}; rotary "
+                         "('rope') or sinusoidal positions can")
     return _remade(model, model.state_dict(), context_length=context_length)
 
 
@@ -224,7 +229,7 @@ def _remade(model: GPT, state: dict[str, Tensor], **changes: int) -> GPT:
     and dtype and in its mode (training or eval)."""
     param = next(model.parameters())
     with torch.random.fork_rng(devices=[]):  # the new model's random start is overwritten
-        new = GPT(model.config.model_copy(update=changes))
+        new = GPT(GPTConfig(**(model.config.model_dump() | changes)))  # validated
     new.to(device=param.device, dtype=param.dtype)
     new.load_state_dict(state)
     return new.train(model.training)
