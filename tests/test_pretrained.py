@@ -88,10 +88,10 @@ def test_builds_are_deterministic(tmp_path):
 def test_key_changes_with_everything_that_shapes_the_weights():
     base = pretrained.cache_key(pretrained.key_material(TINY, TEXT))
     variants = [
-        (Recipe(**{**TINY.__dict__, "d_model": 32}), TEXT),
-        (Recipe(**{**TINY.__dict__, "training": TINY.training.model_copy(update={"seed": 1})}),
+        (Recipe(**{**dict(TINY), "d_model": 32}), TEXT),
+        (Recipe(**{**dict(TINY), "training": TINY.training.model_copy(update={"seed": 1})}),
          TEXT),
-        (Recipe(**{**TINY.__dict__, "threads": 2}), TEXT),
+        (Recipe(**{**dict(TINY), "threads": 2}), TEXT),
         (TINY, TEXT + "x"),
     ]
     keys = {pretrained.cache_key(pretrained.key_material(r, t)) for r, t in variants}
@@ -157,7 +157,7 @@ def test_mismatched_manifest_is_rebuilt():
 
 def test_weights_of_another_shape_are_rebuilt():
     _, _, info = load_or_build(TINY, TEXT, progress=False)
-    other, _, other_info = load_or_build(Recipe(**{**TINY.__dict__, "d_model": 32}), TEXT,
+    other, _, other_info = load_or_build(Recipe(**{**dict(TINY), "d_model": 32}), TEXT,
                                          progress=False)
     # Put the wider model's weights into the narrow model's cache, with a consistent hash.
     _replace_weights(info.path, (other_info.path / WEIGHTS_NAME).read_bytes())
