@@ -99,7 +99,7 @@ def test_dpo_model_is_cached_with_its_measurements() -> None:
     assert model.config.vocab_size == chat.vocab_size
     other = dpo_model(beta=2.0, recipe=TINY)[2]
     assert other.metrics["beta"] == 2.0 and other.key != info.key
-    with pytest.raises(ValueError, match="beta must be a positive number"):
+    with pytest.raises(ValueError, match="beta\n  Input should be greater than 0"):
         dpo_model(beta=0.0, recipe=TINY)
 
 

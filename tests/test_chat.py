@@ -122,12 +122,11 @@ def test_turns_are_checked() -> None:
     with pytest.raises(ChatFormatError, match=r"contains the special token '<\|end\|>' at "
                                               "position 2"):
         Turn("user", f"hi{END_OF_TURN}")
-    with pytest.raises(ChatFormatError, match="at least one turn"):
-        render([])
-    with pytest.raises(ChatFormatError, match="turn 1 is a tuple, not a Turn"):
-        render([Turn("user", "a"), ("assistant", "b")])  # type: ignore[list-item]
-    with pytest.raises(ChatFormatError, match="last turn must be the user's"):
-        prompt_ids([Turn("assistant", "a")], CHAR)
+    with pytest.raises(ChatFormatError, match="a turn's text must be a str, got int"):
+        Turn("user", 3)  # type: ignore[arg-type]
+    for turns in ([Turn("assistant", "a")], []):
+        with pytest.raises(ChatFormatError, match="last turn must be the user's"):
+            prompt_ids(turns, CHAR)
 
 
 @pytest.mark.parametrize("tie", [True, False])
@@ -147,7 +146,7 @@ def test_extending_the_vocabulary_keeps_every_old_weight(tie: bool) -> None:
 
 def test_extending_the_vocabulary_errors() -> None:
     model = GPT(GPTConfig.debug(vocab_size=10))
-    with pytest.raises(ValueError, match=r"an int >= the model's 10 tokens"):
+    with pytest.raises(AssertionError, match="a vocabulary only grows"):  # callers' invariant
         extend_vocabulary(model, 9)
     with pytest.raises(ValueError, match="the tokenizer has 3 tokens and the model 10"):
         add_chat_tokens(model, CharTokenizer.from_text("abc"))
@@ -166,12 +165,15 @@ def test_extending_the_context_keeps_every_weight_and_logit(positional: str) -> 
 
 
 def test_extending_the_context_errors() -> None:
+    # extend_context is where finetune's context_length is first checked
     learned = GPT(GPTConfig.debug(vocab_size=10, context_length=8))
     with pytest.raises(ValueError, match="learned positions has weights for its 8 positions"):
         extend_context(learned, 16)
     rope = GPT(GPTConfig.debug(vocab_size=10, context_length=8, positional="rope"))
     with pytest.raises(ValueError, match=r"an int >= the model's 8 \(a context only grows"):
         extend_context(rope, 4)
+    with pytest.raises(ValueError, match="context_length\n  Input should be a valid integer"):
+        extend_context(rope, 12.5)  # type: ignore[arg-type]
 
 
 def test_add_chat_tokens_and_reply() -> None:

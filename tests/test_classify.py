@@ -100,9 +100,7 @@ def test_bad_batches_are_refused() -> None:
     # the lengths are pad_batch's, checked by construction; a mismatched shape is a bug
     with pytest.raises(AssertionError, match="one length per row"):
         clf(ids, torch.tensor([2]))
-    # the ids themselves are checked where they enter the GPT
-    with pytest.raises(ValueError, match=r"token id 16 is out of range"):
-        clf(torch.tensor([[1, 16]]), torch.tensor([2]))
+    # ids come from a tokenizer; their length is checked where they enter the GPT
     with pytest.raises(ValueError, match="sequence length T=9 exceeds context_length=8"):
         clf(torch.zeros(1, 9, dtype=torch.long), torch.tensor([9]))
     # labels are checked by the cross-entropy itself

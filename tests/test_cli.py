@@ -7,7 +7,6 @@ use)."""
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import json
 import os
@@ -701,7 +700,7 @@ def test_eval_scores_the_tasks_the_assistants_hold_out(
     monkeypatch.setattr(minigpt.cli, "benchmark_table",
                         lambda models, text, **kwargs: given.update(kwargs) or [])
     monkeypatch.setattr(minigpt.cli, "format_table", lambda rows: "")
-    recipe = dataclasses.replace(assistant.ASSISTANT_RECIPE, n_train=20, n_test=5)
+    recipe = assistant.ASSISTANT_RECIPE.model_copy(update={"n_train": 20, "n_test": 5})
     assert main(["eval", "--checkpoint", str(runs["sft"]), "--n-train", "20",
                  "--n-test", "5"]) == 0
     expected = assistant.assistant_tasks(recipe)

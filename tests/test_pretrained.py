@@ -88,10 +88,10 @@ def test_builds_are_deterministic(tmp_path):
 def test_key_changes_with_everything_that_shapes_the_weights():
     base = pretrained.cache_key(pretrained.key_material(TINY, TEXT))
     variants = [
-        (Recipe(**{**TINY.__dict__, "d_model": 32}), TEXT),
-        (Recipe(**{**TINY.__dict__, "training": TINY.training.model_copy(update={"seed": 1})}),
+        (Recipe(**{**dict(TINY), "d_model": 32}), TEXT),
+        (Recipe(**{**dict(TINY), "training": TINY.training.model_copy(update={"seed": 1})}),
          TEXT),
-        (Recipe(**{**TINY.__dict__, "threads": 2}), TEXT),
+        (Recipe(**{**dict(TINY), "threads": 2}), TEXT),
         (TINY, TEXT + "x"),
     ]
     keys = {pretrained.cache_key(pretrained.key_material(r, t)) for r, t in variants}
@@ -157,7 +157,7 @@ def test_mismatched_manifest_is_rebuilt():
 
 def test_weights_of_another_shape_are_rebuilt():
     _, _, info = load_or_build(TINY, TEXT, progress=False)
-    other, _, other_info = load_or_build(Recipe(**{**TINY.__dict__, "d_model": 32}), TEXT,
+    other, _, other_info = load_or_build(Recipe(**{**dict(TINY), "d_model": 32}), TEXT,
                                          progress=False)
     # Put the wider model's weights into the narrow model's cache, with a consistent hash.
     _replace_weights(info.path, (other_info.path / WEIGHTS_NAME).read_bytes())
@@ -182,10 +182,12 @@ def test_book_model_uses_the_corpus_and_keeps_the_callers_random_state(monkeypat
 
 
 def test_bad_arguments():
-    with pytest.raises(TypeError, match="Recipe"):
-        load_or_build({"n_layers": 1}, TEXT)
-    with pytest.raises(ValueError, match="threads"):
+    with pytest.raises(ValueError, match="threads\n  Input should be greater than or equal to 1"):
         Recipe(threads=0)
+    with pytest.raises(ValueError, match="train_fraction\n  Input should be less than 1"):
+        Recipe(train_fraction=1.0)
+    with pytest.raises(ValueError, match=r"\['nrom'\] are not GPTConfig fields"):
+        Recipe(layout={"nrom": "rmsnorm"})
     with pytest.raises(ValueError, match="divisible"):
         Recipe(d_model=30, n_heads=4)
     with pytest.raises(ValueError, match="at least two"):

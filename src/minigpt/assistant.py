@@ -23,15 +23,17 @@ task and training settings, the thread count and the PyTorch version.
 from __future__ import annotations
 
 import sys
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from minigpt import pretrained
 from minigpt.config import TrainConfig
 from minigpt.data import split_text
-from minigpt.dpo import DPO_TRAINING, check_beta, evaluate_dpo, make_pairs, train_dpo
+from minigpt.dpo import DPO_TRAINING, evaluate_dpo, make_pairs, train_dpo
 from minigpt.model import GPT
 from minigpt.pretrained import Built, ModelInfo, cached_model
 from minigpt.sft import SFT_TRAINING, finetune, text_windows
@@ -46,8 +48,7 @@ ASSISTANT_MODULES = tuple(sorted({*pretrained.TRAINING_MODULES, "assistant", "ch
 SFT_SEEDS = (0, 1, 2)
 
 
-@dataclass(frozen=True)
-class AssistantRecipe:
+class AssistantRecipe(BaseModel):
     """How the assistants are made from the book model.
 
     Attributes:
@@ -71,20 +72,22 @@ class AssistantRecipe:
         threads: torch threads while training (one: the same weights on every run).
     """
 
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
     base: pretrained.Recipe = pretrained.MODERN_RECIPE
-    context_length: int = 256
-    max_turns: int = 6
-    n_train: int = 2000
-    n_test: int = 200
-    task_seed: int = 0
-    sft: TrainConfig = field(default_factory=lambda: TrainConfig(**SFT_TRAINING))
-    replay: int = 500
-    replay_chars: int = 40
-    dpo: TrainConfig = field(default_factory=lambda: TrainConfig(**DPO_TRAINING))
-    beta: float = 0.5
-    pair_seed: int = 0
-    length_buckets: int = 16
-    threads: int = 1
+    context_length: int = Field(default=256, ge=2)
+    max_turns: int = Field(default=6, ge=1)
+    n_train: int = Field(default=2000, ge=1)
+    n_test: int = Field(default=200, ge=1)
+    task_seed: int = Field(default=0, ge=0)
+    sft: TrainConfig = Field(default_factory=lambda: TrainConfig(**SFT_TRAINING))
+    replay: int = Field(default=500, ge=0)
+    replay_chars: int = Field(default=40, ge=1)
+    dpo: TrainConfig = Field(default_factory=lambda: TrainConfig(**DPO_TRAINING))
+    beta: float = Field(default=0.5, gt=0.0, allow_inf_nan=False, strict=True)
+    pair_seed: int = Field(default=0, ge=0)
+    length_buckets: int = Field(default=16, ge=1)
+    threads: int = Field(default=1, ge=1, strict=True)
 
 
 ASSISTANT_RECIPE = AssistantRecipe()
@@ -163,7 +166,8 @@ def dpo_model(*, beta: float | None = None, progress: bool = False,
     """`sft_model` (seed 0) preference-tuned with DPO (`minigpt.dpo.train_dpo`) on pairs
     of `assistant_tasks`' training tasks, its reference being that model, with KL weight
     ``beta`` (default: the recipe's); cached, one model per beta."""
-    recipe = recipe if beta is None else replace(recipe, beta=check_beta(beta))
+    if beta is not None:  # a validated copy: the beta is checked as the recipe's is
+        recipe = AssistantRecipe.model_validate(dict(recipe) | {"beta": beta})
     policy, chat, sft_info = sft_model(0, progress=progress, recipe=recipe)
     config = recipe.dpo
 

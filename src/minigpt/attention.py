@@ -93,7 +93,7 @@ class LayerKVCache:
     (batch size, dtype and device come from the first keys); ``length`` is
     how many positions they hold. Appending T new positions writes them at
     ``length``..``length + T - 1`` and returns views of everything stored.
-    `GPT.forward` checks that they fit and that the batch size is the stored one.
+    `GPT.embed` refuses positions past T_max; the batch size stays the first one's.
     """
 
     def __init__(self, max_length: int) -> None:
@@ -110,6 +110,7 @@ class LayerKVCache:
             shape = (k.shape[0], k.shape[1], self.max_length, k.shape[3])
             self.keys = k.new_zeros(shape)
             self.values = v.new_zeros(shape)
+        assert k.shape[0] == self.keys.shape[0], "the cache holds another batch: reset() it"
         self.keys[:, :, self.length:end] = k
         self.values[:, :, self.length:end] = v
         self.length = end

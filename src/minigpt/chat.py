@@ -28,6 +28,7 @@ import regex
 import torch
 from torch import Tensor
 
+from minigpt.config import GPTConfig
 from minigpt.decoding import generate
 from minigpt.model import GPT
 from minigpt.tokenizer import (
@@ -76,21 +77,9 @@ def _snippet(text: str, width: int = 30) -> str:
     return repr(text if len(text) <= width else text[:width] + "...")
 
 
-def _check_turns(turns: Sequence[Turn]) -> list[Turn]:
-    if isinstance(turns, str | bytes) or not isinstance(turns, Sequence):
-        raise ChatFormatError(f"a conversation is a sequence of Turn objects, got "
-                              f"{type(turns).__name__}")
-    if not turns:
-        raise ChatFormatError("a conversation needs at least one turn")
-    for k, turn in enumerate(turns):
-        if not isinstance(turn, Turn):
-            raise ChatFormatError(f"turn {k} is a {type(turn).__name__}, not a Turn")
-    return list(turns)
-
-
 def render(turns: Sequence[Turn]) -> str:
     """The conversation as text: ``<|role|>text<|end|>`` for each turn."""
-    return "".join(ROLE_TOKENS[t.role] + t.text + END_OF_TURN for t in _check_turns(turns))
+    return "".join(ROLE_TOKENS[t.role] + t.text + END_OF_TURN for t in turns)
 
 
 # A conversation read token by token: special tokens (by their string) and plain texts, with
@@ -133,8 +122,6 @@ def _assemble(pieces: Iterable[Piece], unit: str) -> list[Turn]:
 
 def parse(text: str) -> list[Turn]:
     """The turns of a rendered conversation; `ChatFormatError` if ``text`` is not one."""
-    if not isinstance(text, str):
-        raise ChatFormatError(f"parse reads a str, got {type(text).__name__}")
     pieces: list[Piece] = []
     pos = 0
     for k, part in enumerate(_SPECIAL.split(text)):
@@ -161,7 +148,7 @@ def encode_conversation(turns: Sequence[Turn],
     special = _chat_ids(tokenizer)
     ids: list[int] = []
     mask: list[bool] = []
-    for turn in _check_turns(turns):
+    for turn in turns:
         body = tokenizer.encode_ordinary(turn.text) + [special[END_OF_TURN]]
         said = turn.role == "assistant"
         ids += [special[ROLE_TOKENS[turn.role]]] + body
@@ -189,8 +176,7 @@ def decode_conversation(ids: Sequence[int], tokenizer: Tokenizer) -> list[Turn]:
 def prompt_ids(turns: Sequence[Turn], tokenizer: Tokenizer) -> list[int]:
     """The ids that ask for the assistant's next turn: the conversation, then
     ``<|assistant|>``. The conversation must end with a user's turn."""
-    turns = _check_turns(turns)
-    if turns[-1].role != "user":
+    if not turns or turns[-1].role != "user":
         raise ChatFormatError("a prompt asks for an answer: its last turn must be the user's")
     ids, _ = encode_conversation(turns, tokenizer)
     return ids + [_chat_ids(tokenizer)[ASSISTANT]]
@@ -208,12 +194,8 @@ def extend_vocabulary(model: GPT, vocab_size: int) -> GPT:
     an average token and, through the head, scored like one, so it takes a small share of
     the probability rather than a random, possibly large one.
     """
-    if not isinstance(model, GPT):
-        raise TypeError(f"extend_vocabulary needs a minigpt.GPT, got {type(model).__name__}")
     old = model.config.vocab_size
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < old:
-        raise ValueError(f"vocab_size must be an int >= the model's {old} tokens (a vocabulary "
-                         f"only grows), got {vocab_size!r}")
+    assert vocab_size >= old, "a vocabulary only grows"
     state = model.state_dict()
     for name in ("wte.weight", "lm_head.weight"):
         rows = state[name]
@@ -231,11 +213,8 @@ def extend_context(model: GPT, context_length: int) -> GPT:
     trained with. The copy computes the old model's logits on any input the old one reads;
     how well it uses the positions it never trained on is for fine-tuning to teach.
     """
-    if not isinstance(model, GPT):
-        raise TypeError(f"extend_context needs a minigpt.GPT, got {type(model).__name__}")
     old = model.config.context_length
-    if isinstance(context_length, bool) or not isinstance(context_length, int) or (
-            context_length < old):
+    if context_length < old:
         raise ValueError(f"context_length must be an int >= the model's {old} (a context "
                          f"only grows), got {context_length!r}")
     if model.config.positional == "learned" and context_length > old:
@@ -250,7 +229,7 @@ def _remade(model: GPT, state: dict[str, Tensor], **changes: int) -> GPT:
     and dtype and in its mode (training or eval)."""
     param = next(model.parameters())
     with torch.random.fork_rng(devices=[]):  # the new model's random start is overwritten
-        new = GPT(model.config.model_copy(update=changes))
+        new = GPT(GPTConfig(**(model.config.model_dump() | changes)))  # validated
     new.to(device=param.device, dtype=param.dtype)
     new.load_state_dict(state)
     return new.train(model.training)
@@ -306,14 +285,13 @@ def fit_context(turns: Sequence[Turn], tokenizer: Tokenizer, context_length: int
     (`prompt_ids`) to leave ``room`` tokens for the answer in the context, and starting with
     a user's turn. The last message is kept alone even when it leaves less room, if it
     leaves two tokens (a character and the end of the turn); ValueError if not."""
-    turns = _check_turns(turns)
     for start in range(len(turns)):
         kept = turns[start:]
         if kept[0].role == "user" and len(prompt_ids(kept, tokenizer)) + room <= context_length:
-            return kept
+            return list(kept)
     n = len(prompt_ids(turns[-1:], tokenizer))
     if n < context_length - 1:
-        return turns[-1:]
+        return list(turns[-1:])
     raise ValueError(f"this message makes a prompt of {n} tokens; the model reads "
                      f"{context_length}, and an answer needs room: write a shorter one")
 

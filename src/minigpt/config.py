@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import os
 import random
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 #: The GPT-2 family (Radford et al., 2019): name -> (n_layers, d_model, n_heads).
 GPT2_SIZES: dict[str, tuple[int, int, int]] = {
@@ -54,7 +54,7 @@ class GPTConfig(BaseModel):
             parameters) before their dot product, which bounds the attention logits.
         n_kv_heads: H_kv, key-value heads (grouped-query attention); None means H (GPT-2's
             multi-head attention), 1 is multi-query attention. Must divide n_heads.
-        rope_base: the base of the rotary frequencies, theta_i = base^(-2i/d_k).
+        rope_base: the base of the rotary frequencies, omega_i = base^(-2i/d_k).
         zero_init: initialise each residual branch's output projection (``c_proj``) and,
             when untied, the head to zero, so that every block starts as the identity.
     """
@@ -171,6 +171,31 @@ MODERN_LAYOUT: dict[str, Any] = dict(
 )
 
 
+def check_device(device: str) -> str:
+    """``device`` if a model can run on it here: cpu, cuda or cuda:N (N below the number of
+    GPUs), or mps where there is one; otherwise ValueError saying what is allowed."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"{device!r} is not a torch device; use cpu, cuda or cuda:N"
+                         ) from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{device!r}: CUDA is not available on this machine; use cpu")
+        if dev.index is not None and dev.index >= (n := torch.cuda.device_count()):
+            raise ValueError(f"{device!r}: this machine has {n} GPU(s), cuda:0 to "
+                             f"cuda:{n - 1}")
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"{device!r}: MPS is not available on this machine; use cpu")
+    elif dev.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"{device!r}: models run on cpu, cuda or cuda:N (or mps)")
+    return device
+
+
+#: A device given by a person (a setting, a command-line flag), checked where it enters.
+Device = Annotated[str, AfterValidator(check_device)]
+
+
 class TrainConfig(BaseModel):
     """Every setting of a training run except the model's shape (that is a `GPTConfig`).
 
@@ -237,7 +262,7 @@ class TrainConfig(BaseModel):
     seed: int = Field(default=1337, ge=0,
                       description="seeds the initial weights, the batches and dropout")
     bf16: bool = Field(default=False, description="bf16 autocast for forward passes")
-    device: str = Field(default="cpu", description="cpu, cuda, cuda:1, ...")
+    device: Device = Field(default="cpu", description="cpu, cuda, cuda:1, ...")
     optimizer: Literal["adamw", "muon"] = "adamw"
     muon_lr: float = Field(default=0.02, gt=0.0)
     muon_momentum: float = Field(default=0.95, ge=0.0, lt=1.0)
@@ -270,13 +295,6 @@ class TrainConfig(BaseModel):
                 f"(={self.decay_steps}, by default max_steps): the cosine decay starts after "
                 "the warm-up; lower warmup_steps or raise max_steps"
             )
-        try:
-            device = torch.device(self.device)
-        except RuntimeError:
-            raise ValueError(f"device {self.device!r} is not a torch device "
-                             "(e.g. 'cpu', 'cuda', 'cuda:1')") from None
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {self.device!r}: CUDA is not available on this machine")
         return self
 
     @classmethod

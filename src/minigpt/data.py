@@ -299,8 +299,7 @@ class ExampleSet:
             if not any(mask[1:]):
                 raise ValueError(f"sequence {k} has no counted target: its mask is False "
                                  "everywhere after the first token")
-        if isinstance(pad_id, bool) or not isinstance(pad_id, int) or pad_id < 0:
-            raise ValueError(f"pad_id must be a token id (an int >= 0), got {pad_id!r}")
+        assert pad_id >= 0, "pad_id is a token id (a tokenizer's)"
         if (isinstance(length_buckets, bool) or not isinstance(length_buckets, int)
                 or not 1 <= length_buckets <= len(sequences)):
             raise ValueError(f"length_buckets must be an int from 1 to the number of sequences "

@@ -103,40 +103,25 @@ class GPT(nn.Module):
         """An empty `KVCache` for this model: one layer cache per block, T_max positions each."""
         return KVCache(self.config.n_layers, self.config.context_length)
 
-    def _run(self, input_ids: Tensor, need_weights: bool, cache: KVCache | None,
-             last_only: bool = False, head: bool = True) -> tuple[Tensor, list[Tensor]]:
-        _check_ids(self.config, input_ids, cache)
-        input_ids = input_ids.long()
-        x = self.wte(input_ids)  # (B, T, D)
-        if self.wpe is not None:  # absolute positions; rotary ones act inside attention
-            past = 0 if cache is None else cache.length  # positions already read
-            x = x + self.wpe(torch.arange(past, past + x.shape[1], device=x.device))
-        x = self.drop(x)
-        maps: list[Tensor] = []
-        for i, block in enumerate(self.h):
-            x, weights = block(x, need_weights=need_weights,
-                               cache=None if cache is None else cache.layers[i])
-            if weights is not None:
-                maps.append(weights)
-        if last_only:
-            x = x[:, -1:, :]  # (B, 1, D): generation needs only the next token's scores
-        x = self.ln_f(x)
-        if not head:
-            return x, maps  # (B, T, D), for heads of other tasks
-        logits: Tensor = self.lm_head(x)  # (B, T, V)
-        return logits, maps
+    def embed(self, input_ids: Tensor, past: int = 0) -> Tensor:
+        """input_ids (B, T) at positions P..P+T-1 (``past`` = P) -> the blocks' input (B, T, D):
+        token embeddings plus absolute positions (rotary ones act inside attention), dropped out.
 
-    def hidden_states(self, input_ids: Tensor, *, cache: KVCache | None = None) -> Tensor:
-        """input_ids (B, T) -> the final norm's output (B, T, D): what the head reads.
-
-        Everything of `forward` but the head, for heads of other tasks (`minigpt.classify`).
+        Positions run to ``context_length`` - 1 only: a longer sequence is refused here.
         """
-        return self._run(input_ids, need_weights=False, cache=cache, head=False)[0]
+        length = input_ids.shape[1]
+        if past + length > self.config.context_length:
+            raise ValueError(_too_long(past, length, self.config.context_length))
+        x = self.wte(input_ids)  # (B, T, D)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(past, past + length, device=x.device))
+        embedded: Tensor = self.drop(x)
+        return embedded
 
     def forward(
         self, input_ids: Tensor, *, cache: KVCache | None = None, last_only: bool = False
     ) -> Tensor:
-        """input_ids (B, T) int -> logits (B, T, V).
+        """input_ids (B, T) int64 -> logits (B, T, V).
 
         With a ``cache`` holding P positions, ``input_ids`` are positions
         P..P+T-1 of the sequences; they are added to the cache and attend to
@@ -144,16 +129,43 @@ class GPT(nn.Module):
         ``last_only`` returns the logits of the last position only, (B, 1, V),
         and skips the head's (T - 1) x D x V multiply-adds for the others.
         """
-        return self._run(input_ids, need_weights=False, cache=cache, last_only=last_only)[0]
+        x = self.embed(input_ids, past=0 if cache is None else cache.length)
+        for i, block in enumerate(self.h):
+            x, _ = block(x, cache=None if cache is None else cache.layers[i])
+        if last_only:
+            x = x[:, -1:, :]  # (B, 1, D): generation needs only the next token's scores
+        x = self.ln_f(x)
+        logits: Tensor = self.lm_head(x)  # (B, T, V)
+        return logits
 
     def forward_with_attention(
         self, input_ids: Tensor, *, cache: KVCache | None = None
     ) -> tuple[Tensor, list[Tensor]]:
         """Logits (B, T, V) and each layer's attention weights, a list of L tensors (B, H, T, T).
 
-        With a cache holding P positions the weights are (B, H, T, P + T).
+        `forward` with the written-out attention, which keeps its weights; with a cache
+        holding P positions the weights are (B, H, T, P + T).
         """
-        return self._run(input_ids, need_weights=True, cache=cache)
+        x = self.embed(input_ids, past=0 if cache is None else cache.length)
+        maps: list[Tensor] = []
+        for i, block in enumerate(self.h):
+            x, weights = block(x, need_weights=True,
+                               cache=None if cache is None else cache.layers[i])
+            assert weights is not None, "need_weights returns the weights"
+            maps.append(weights)
+        logits: Tensor = self.lm_head(self.ln_f(x))
+        return logits, maps
+
+    def hidden_states(self, input_ids: Tensor, *, cache: KVCache | None = None) -> Tensor:
+        """input_ids (B, T) -> the final norm's output (B, T, D): what the head reads.
+
+        `forward` without the head, for heads of other tasks (`minigpt.classify`).
+        """
+        x = self.embed(input_ids, past=0 if cache is None else cache.length)
+        for i, block in enumerate(self.h):
+            x, _ = block(x, cache=None if cache is None else cache.layers[i])
+        hidden: Tensor = self.ln_f(x)
+        return hidden
 
     # ----- loading GPT-2 weights -----------------------------------------------------
     @classmethod
@@ -220,65 +232,10 @@ def _rotary(c: GPTConfig) -> RotaryEmbedding | None:
     return RotaryEmbedding(c.context_length, c.d_head, c.rope_base)
 
 
-# ----- the input checks of every forward pass ------------------------------------------
-
-
-def _check_ids(config: GPTConfig, input_ids: Tensor, cache: KVCache | None) -> None:
-    # Type, shape and lengths cost nothing; the ids' values are checked on their device.
-    if not isinstance(input_ids, Tensor):
-        raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
-    if input_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
-        raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
-    if input_ids.dim() != 2:
-        raise ValueError(
-            f"input_ids must have shape (B, T), got {tuple(input_ids.shape)}; "
-            "for one sequence use input_ids.unsqueeze(0)"
-        )
-    length = input_ids.shape[1]
-    if length == 0:
-        raise ValueError("input_ids is empty: T must be at least 1")
-    if cache is None and length > config.context_length:
-        raise ValueError(
-            f"sequence length T={length} exceeds context_length="
-            f"{config.context_length}; crop the input to its last "
-            f"{config.context_length} tokens"
-        )
-    if cache is not None:
-        _check_cache(config, cache, input_ids.shape[0], length)
-    _check_id_range(input_ids, config.vocab_size)
-
-
-def _check_cache(config: GPTConfig, cache: KVCache, batch_size: int, length: int) -> None:
-    if len(cache.layers) != config.n_layers:
-        raise ValueError(f"the cache has {len(cache.layers)} layers, the model "
-                         f"{config.n_layers}; make it with model.new_cache()")
-    if cache.length + length > config.context_length:
-        raise ValueError(
-            f"the cache holds {cache.length} positions and T={length} new ones would "
-            f"make {cache.length + length} > context_length="
-            f"{config.context_length}; reset() the cache and feed the last "
-            f"{config.context_length} tokens"
-        )
-    if cache.batch_size is not None and cache.batch_size != batch_size:
-        raise ValueError(f"the cache holds {cache.batch_size} sequences, input_ids has "
-                         f"{batch_size} rows")
-
-
-def _check_id_range(ids: Tensor, vocab_size: int) -> None:
-    """Refuse token ids outside [0, vocab_size) with a clear message, not the embedding's
-    IndexError, where the host can read the ids without waiting: on the CPU, in eager mode.
-
-    On a GPU, reading the check's result would wait for the device at every forward pass;
-    under `torch.compile` it would break the graph; a meta tensor has no values; and an
-    exported graph (`torch.export`, `minigpt.export`) keeps no Python checks. There the ids
-    are checked where they enter instead (`minigpt.train.train` checks its data once,
-    `generate` its prompt), and an id fed to the model directly is refused by the embedding
-    itself: a device-side assertion on a GPU, a bounds check in compiled code.
-    """
-    if (ids.device.type != "cpu" or torch.compiler.is_compiling()
-            or torch.compiler.is_exporting()):
-        return
-    low, high = torch.aminmax(ids)  # one pass over the ids, not a min and a max
-    if low < 0 or high >= vocab_size:
-        bad = int(low) if low < 0 else int(high)
-        raise ValueError(f"token id {bad} is out of range: ids must lie in [0, {vocab_size})")
+def _too_long(past: int, length: int, context_length: int) -> str:
+    if past == 0:
+        return (f"sequence length T={length} exceeds context_length={context_length}; "
+                f"crop the input to its last {context_length} tokens")
+    return (f"the cache holds {past} positions and T={length} new ones would make "
+            f"{past + length} > context_length={context_length}; reset() the cache and "
+            f"feed the last {context_length} tokens")

@@ -220,19 +220,19 @@ def relu2(x: Tensor) -> Tensor:
 
 def rope_angles(num_positions: int, d_head: int, base: float = 10000.0
                 ) -> tuple[Tensor, Tensor]:
-    """cos and sin of the rotary angles p * theta_i, each (T, d_head / 2), float32.
+    """cos and sin of the rotary angles p omega_i, each (T, d_k / 2), float32.
 
-    theta_i = base^(-2i / d_head) for i = 0 .. d_head/2 - 1: the frequencies of the
-    sinusoidal encoding, one per pair of features.
+    omega_i = base^(-2i / d_k) for i = 0 .. d_k/2 - 1 (``d_head`` = d_k): the frequencies
+    of the sinusoidal encoding over a head's features, one per pair.
     """
     position = torch.arange(num_positions, dtype=torch.float64).unsqueeze(1)  # (T, 1)
-    theta = base ** (-torch.arange(0, d_head, 2, dtype=torch.float64) / d_head)
-    angle = position * theta  # (T, d_head / 2)
+    omega = base ** (-torch.arange(0, d_head, 2, dtype=torch.float64) / d_head)
+    angle = position * omega  # (T, d_k / 2)
     return angle.cos().float(), angle.sin().float()
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate pair i of each vector, (x_i, x_{i + d/2}), by the angle p * theta_i.
+    """Rotate pair i of each vector, (x_i, x_{i + d_k/2}), by the angle p omega_i.
 
     Args:
         x: queries or keys, (B, H, T, d_k).

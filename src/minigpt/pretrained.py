@@ -41,7 +41,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 import torch
 from filelock import FileLock
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from tqdm import tqdm
 
 from minigpt import PINNED_CPU_KERNELS
@@ -73,39 +74,45 @@ WEIGHTS_NAME = "model.pt"
 MANIFEST_NAME = "manifest.json"
 
 
-@dataclass(frozen=True)
-class Recipe:
+class Recipe(BaseModel):
     """How the book's model is made: its shape, its training run, its data split, its threads.
 
     The vocabulary size is not part of the recipe: it is the number of distinct characters
-    of the corpus.
+    of the corpus. A shape the heads cannot share is refused when the recipe is made, not
+    after the corpus is loaded.
     """
 
-    n_layers: int = 4
-    n_heads: int = 4
-    d_model: int = 128
-    context_length: int = 64
-    training: TrainConfig = field(default_factory=lambda: TrainConfig(
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    n_layers: int = Field(default=4, gt=0)
+    n_heads: int = Field(default=4, gt=0)
+    d_model: int = Field(default=128, gt=0)
+    context_length: int = Field(default=64, gt=0)
+    training: TrainConfig = Field(default_factory=lambda: TrainConfig(
         batch_size=12, max_steps=2000, lr=1e-3, min_lr=1e-4, warmup_steps=100,
         eval_interval=500, eval_steps=20, seed=1337))
-    train_fraction: float = 0.9
+    train_fraction: float = Field(default=0.9, gt=0.0, lt=1.0)
     #: GPTConfig fields that differ from the book model's GPT-2 layout (`MODERN_LAYOUT` for
     #: the modern model).
-    layout: dict[str, Any] = field(default_factory=dict)
+    layout: dict[str, Any] = Field(default_factory=dict)
     # CPU reductions may split work differently for another thread count; fixing it keeps
     # the weights bit-identical from run to run. One thread: this model is too small to gain
     # much from two, and on a busy shared machine two threads can be several times slower.
-    threads: int = 1
+    threads: int = Field(default=1, ge=1, strict=True)
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.training, TrainConfig):
-            raise TypeError(f"training must be a TrainConfig, got {type(self.training).__name__}")
-        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
-            raise ValueError(f"threads must be an integer >= 1, got {self.threads!r}")
-        if not 0.0 < self.train_fraction < 1.0:
-            raise ValueError(f"train_fraction must lie strictly between 0 and 1, "
-                             f"got {self.train_fraction}")
-        self.gpt_config(vocab_size=2)  # a bad shape fails here, not after loading the corpus
+    @field_validator("layout")
+    @classmethod
+    def _layout_names_config_fields(cls, layout: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(layout) - set(GPTConfig.model_fields))
+        if unknown:
+            raise ValueError(f"{unknown} are not GPTConfig fields; a layout sets some of "
+                             f"{sorted(GPTConfig.model_fields)}")
+        return layout
+
+    @model_validator(mode="after")
+    def _a_model_of_this_shape_exists(self) -> Recipe:
+        self.gpt_config(vocab_size=2)  # GPTConfig's own checks: heads, layout fields
+        return self
 
     def gpt_config(self, vocab_size: int) -> GPTConfig:
         """The model's `GPTConfig` for a vocabulary of `vocab_size` tokens."""
@@ -318,8 +325,6 @@ def load_or_build(recipe: Recipe, text: str, *, progress: bool = False,
                   cache: Path | None = None) -> tuple[GPT, CharTokenizer, ModelInfo]:
     """The model `recipe` trains on `text`: loaded from the cache if it is there and intact,
     trained (and cached) otherwise. See `book_model`."""
-    if not isinstance(recipe, Recipe):
-        raise TypeError(f"recipe must be a Recipe, got {type(recipe).__name__}")
     if not isinstance(text, str) or len(text) < 2:
         raise ValueError("text must be a string of at least two characters")
     model, info = cached_model(key_material(recipe, text), partial(
@@ -340,20 +345,18 @@ def cached_model(material: dict[str, Any], build: Builder, *, progress: bool = F
     # Loading builds a GPT (random initial weights) and training seeds torch: fork the
     # generator so that the caller's random state is the same whichever path is taken.
     with torch.random.fork_rng(devices=[]), _locked(models / f".{key[:20]}.lock"):
-        built = False
-        try:
-            if not folder.exists():
-                raise FileNotFoundError(folder)
-            model, manifest = _load(folder, key, material)
-        except FileNotFoundError:
-            model, manifest = _store(folder, key, material, build(say, folder))
-            built = True
-        except CacheError as why:
-            message = f"the cached model in {folder} is not used: {why}; rebuilding it"
-            log.warning(message)
-            warnings.warn(message, RuntimeWarning, stacklevel=4)
-            model, manifest = _store(folder, key, material, build(say, folder))
-            built = True
+        loaded = None
+        if folder.exists():
+            try:
+                loaded = _load(folder, key, material)
+            except CacheError as why:
+                message = f"the cached model in {folder} is not used: {why}; rebuilding it"
+                log.warning(message)
+                warnings.warn(message, RuntimeWarning, stacklevel=4)
+        built = loaded is None
+        if loaded is None:
+            loaded = _store(folder, key, material, build(say, folder))
+        model, manifest = loaded
     info = ModelInfo(key=key, path=folder, built=built,
                      load_seconds=time.perf_counter() - start, manifest=manifest)
     return model, info

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
-from pydantic import AfterValidator, BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from minigpt.checkpoint import load_checkpoint
+from minigpt.config import Device as Device  # the command line's flags import it from here
 from minigpt.config import GPTConfig
 from minigpt.decoding import beam_search, generate
 from minigpt.model import GPT
@@ -66,31 +67,6 @@ def _to_device(model: GPT, device: str | torch.device) -> GPT:
     except RuntimeError as err:  # e.g. cuda:3 on a machine with one GPU, or out of memory
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise ValueError(f"cannot put the model on {device!s}: {reason}") from err
-
-
-def check_device(device: str) -> str:
-    """``device`` if a model can run on it here: cpu, cuda or cuda:N (N below the number of
-    GPUs), or mps where there is one; otherwise ValueError saying what is allowed."""
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise ValueError(f"{device!r} is not a torch device; use cpu, cuda or cuda:N"
-                         ) from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"{device!r}: CUDA is not available on this machine; use cpu")
-        if dev.index is not None and dev.index >= (n := torch.cuda.device_count()):
-            raise ValueError(f"{device!r}: this machine has {n} GPU(s), cuda:0 to "
-                             f"cuda:{n - 1}")
-    elif dev.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"{device!r}: MPS is not available on this machine; use cpu")
-    elif dev.type not in ("cpu", "cuda", "mps"):
-        raise ValueError(f"{device!r}: models run on cpu, cuda or cuda:N (or mps)")
-    return device
-
-
-#: A device given by the user (a command-line flag), checked where it enters.
-Device = Annotated[str, AfterValidator(check_device)]
 
 
 class SampleSettings(BaseModel):
