@@ -248,9 +248,6 @@ class TrainFlags(BaseModel):
     master_port: int | None = Field(None, ge=1, le=65535)
     backend: Literal["gloo", "nccl"] | None = None
     global_batch_size: int | None = Field(None, ge=1)
-    # TrainConfig's own device (here too, so that this machine can run it, as every
-    # command's --device is checked: TrainConfig alone lets `meta` through to training).
-    device: Device | None = None
 
     @model_validator(mode="after")
     def _bpe_size_needs_bpe(self) -> TrainFlags:
