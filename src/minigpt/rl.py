@@ -448,8 +448,8 @@ def grpo_step(policy: GPT, optimizer: Optimizer, tokenizer: Tokenizer, tasks: Se
         per_token = kl_estimate(batch.old_logp, batch.ref_logp, settings.kl)
         kl = torch.where(batch.mask, per_token, 0.0).sum(dim=1).mean()
     measured = torch.stack([rewards.mean(), zero_signal_groups(rewards).float().mean(),
-                            torch.tensor(result.loss, device=rewards.device), kl,
+                            result.loss, kl,
                             batch.mask.sum(dim=1).float().mean()])
     reward, zero_signal, loss, kl_value, length = mean_over_ranks(measured, ctx).tolist()
     return GRPOStats(reward, zero_signal, loss, kl_value if reference is not None else None,
-                     length, result.grad_norm)
+                     length, result.grad_norm.item())
