@@ -284,7 +284,7 @@ def train(model: GPT | GPTConfig, config: TrainConfig, train_data: np.ndarray | 
         # the numbers do not depend on the number of processes.
         if (step % config.eval_interval == 0 or step == config.max_steps) and not (
                 resume and step == start):
-            read(unread, history, ctx)
+            record_steps(unread, history, ctx)
             losses = estimate_loss(model, {"train": train_data, "val": val_data},
                                    batch_size=config.batch_size, context_length=T,
                                    eval_steps=config.eval_steps, seed=config.seed + 1,
@@ -318,14 +318,14 @@ def train(model: GPT | GPTConfig, config: TrainConfig, train_data: np.ndarray | 
         unread.append(result)
         bar.update(1)
     bar.close()
-    read(unread, history, ctx)
+    record_steps(unread, history, ctx)
     if end != saved_at:
         save(end)
     return TrainResult(model, history, _metrics(history, config, model,
                                                  time.perf_counter() - wall0, ctx))
 
 
-def read(results: list[StepResult], history: History, ctx: DistContext) -> None:
+def record_steps(results: list[StepResult], history: History, ctx: DistContext) -> None:
     """Move the steps' losses (averaged over the ranks: the loss of each global batch, as one
     process sees it) and gradient norms into ``history``, and forget them. One wait for the
     device and one all-reduce for them all (collective: every rank must call it)."""
