@@ -294,8 +294,8 @@ def train(model: GPT | GPTConfig, config: TrainConfig, train_data: np.ndarray | 
             history.eval_step.append(step)
             history.train_loss.append(losses["train"])
             history.val_loss.append(losses["val"])
-            bar.set_postfix(val=f"{losses['val']:.4f}",
-                            **({"loss": f"{history.loss[-1]:.4f}"} if history.loss else {}))
+            bar.set_postfix(loss=f"{history.loss[-1]:.4f}" if history.loss else "-",
+                            val=f"{losses['val']:.4f}")
             if log is not None and ctx.is_main:
                 log(f"step {step}: train loss {losses['train']:.4f}, "
                     f"val loss {losses['val']:.4f}")
