@@ -8,13 +8,14 @@ import ast
 import math
 import random
 import textwrap
+from unittest import mock
 
 import hypothesis.strategies as st
 import pytest
 import torch
 from hypothesis import given
 
-from minigpt import GPT, GPTConfig
+from minigpt import GPT, GPTConfig, dpo
 from minigpt.chat import add_chat_tokens, greedy_replies, prompt_ids
 from minigpt.config import TrainConfig
 from minigpt.dpo import (
@@ -283,6 +284,24 @@ def test_dpo_training_raises_preference_accuracy_and_leaves_its_input_alone(tmp_
     metrics = preference_metrics(result.model, data, beta=0.5)
     assert metrics["accuracy"] == 1.0 and metrics["margin"] > 1.0
     assert (tmp_path / "checkpoint.pt").is_file()
+
+
+def test_the_precision_is_set_before_the_reference_scores() -> None:
+    # On a GPU, train() lets float32 products use TF32 (`allow_tf32`); the reference must
+    # score under the same setting as the policy, so not before it.
+    model, tok = chat_model()
+    pairs = make_pairs(tasks())
+    events: list[str] = []
+
+    def scored(*args: object, **kwargs: object) -> torch.Tensor:
+        events.append("reference scores")
+        return real_scores(*args, **kwargs)  # type: ignore[arg-type]
+
+    real_scores = dpo.pair_logprobs
+    with mock.patch("minigpt.train.allow_tf32", lambda device: events.append("precision")), \
+            mock.patch("minigpt.dpo.pair_logprobs", scored):
+        train_dpo(model, tok, pairs, pairs, config(2), beta=0.1, progress=False)
+    assert events[0] == "precision" and "reference scores" in events
 
 
 def test_training_is_deterministic() -> None:

@@ -43,7 +43,7 @@ def test_rejection_sampling_steps_on_right_answers_only() -> None:
 @pytest.mark.parametrize("argv, needle", [
     (["--families", "first_word,rhyme"], "--families must be"),
     (["--every", "0"], "--every must be >= 1"),
-    (["--group-size", "1"], "group_size must be an int >= 2"),
+    (["--group-size", "1"], "group_size\n  Input should be greater than or equal to 2"),
     (["--baseline", "ppo"], "invalid choice"),
 ])
 def test_bad_arguments_are_refused(argv: list[str], needle: str,

@@ -133,7 +133,7 @@ def test_a_masked_step_reports_the_per_token_mean() -> None:
         expected = lm_loss(model, *data.batch(range(4))).item()
     result = train_step(model, torch.optim.SGD(model.parameters(), lr=0.0),
                         [data.batch([0, 1]), data.batch([2, 3])], grad_clip=0.0)
-    assert result.loss == pytest.approx(expected, rel=1e-5)
+    assert float(result.loss) == pytest.approx(expected, rel=1e-5)
 
 
 def run_config(**overrides: object) -> TrainConfig:

@@ -15,12 +15,12 @@ from minigpt import GPT, GPTConfig
 from minigpt.bpe import train_bpe
 from minigpt.checkpoint import load_checkpoint
 from minigpt.config import TrainConfig
-from minigpt.data import ExampleSet
-from minigpt.losses import bits_per_character, estimate_loss, full_loss
+from minigpt.data import Batch, ExampleSet
+from minigpt.losses import bits_per_character, estimate_loss, full_loss, lm_loss
 from minigpt.optim import configure_optimizer, lr_at
 from minigpt.parallel import DistContext
 from minigpt.tokenizer import CharTokenizer
-from minigpt.train import History, resume_run, save_run, train
+from minigpt.train import History, StepResult, resume_run, save_run, train, train_step
 
 V = 12
 
@@ -193,6 +193,32 @@ def test_gradient_accumulation_averages_micro_batches(
     assert whole.history.loss[0] == pytest.approx(split.history.loss[0], rel=1e-6)
     for p1, p2 in zip(whole.model.parameters(), split.model.parameters(), strict=True):
         torch.testing.assert_close(p1, p2, rtol=1e-5, atol=1e-6)
+
+
+def test_a_step_leaves_its_numbers_on_the_device_and_the_loop_reads_them(
+        data: tuple[np.ndarray, np.ndarray]) -> None:
+    # The step returns tensors (reading them would wait for the device); the loop moves them
+    # into the history at each evaluation and at the end, every step's in order.
+    torch.manual_seed(0)
+    model = GPT(tiny_config())
+    ids = torch.from_numpy(data[0][:2 * 8 + 1].astype(np.int64))
+    x, y = ids[:-1].view(2, 8), ids[1:].view(2, 8)
+    with torch.no_grad():
+        expected = lm_loss(model, x, y).item()
+    result = train_step(model, torch.optim.SGD(model.parameters(), lr=0.0),
+                        [Batch(x[:1], y[:1]), Batch(x[1:], y[1:])], grad_clip=0.0)
+    assert isinstance(result, StepResult)
+    assert isinstance(result.loss, torch.Tensor) and result.loss.dim() == 0
+    assert isinstance(result.grad_norm, torch.Tensor) and result.grad_norm.dim() == 0
+    assert result.loss.item() == pytest.approx(expected, rel=1e-6)  # the mean of both
+    h = train(tiny_config(), run_config(max_steps=7, eval_interval=3), *data,
+              progress=False).history
+    assert h.eval_step == [0, 3, 6, 7]
+    assert len(h.loss) == len(h.grad_norm) == len(h.step) == 7
+    assert all(isinstance(v, float) and v > 0 for v in h.loss + h.grad_norm)
+    again = train(tiny_config(), run_config(max_steps=7, eval_interval=100), *data,
+                  progress=False).history  # read once, at the end: the same numbers
+    assert again.loss == h.loss and again.grad_norm == h.grad_norm
 
 
 def test_bf16_autocast_trains(data: tuple[np.ndarray, np.ndarray]) -> None:

@@ -281,9 +281,13 @@ def train_dpo(policy: GPT, tokenizer: Tokenizer, train_pairs: Sequence[Preferenc
     """Train a copy of ``policy`` (a chat model) with DPO on ``train_pairs``, with
     `minigpt.train.train` (``train_args`` go to it) and `preference_loss` as its loss; the
     validation loss is the DPO loss on ``val_pairs``. The reference is a frozen copy of
-    ``policy``, which is not changed. Returns the run's result and the reference."""
+    ``policy``, which is not changed, on the run's device (where the policy trains, so that
+    both score under the same precision: `train` sets it before the first batch, whose
+    reading scores the reference). Returns the run's result and the reference."""
     beta = check_beta(beta)
-    reference = copy.deepcopy(policy).eval().requires_grad_(False)
+    ctx = train_args.get("ctx")
+    device = torch.device(config.device) if ctx is None else ctx.device
+    reference = copy.deepcopy(policy).to(device).eval().requires_grad_(False)
     train_set = encode_pairs(train_pairs, tokenizer, reference, bf16=config.bf16)
     val_set = encode_pairs(val_pairs, tokenizer, reference, bf16=config.bf16)
     result = train(copy.deepcopy(policy), config, train_set, val_set, tokenizer=tokenizer,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import torch
@@ -29,6 +29,14 @@ from minigpt.tokenizer import Tokenizer
 #: A loss other than next-token cross-entropy (e.g. `minigpt.dpo.preference_loss`): the mean
 #: loss of one micro-batch, given the module to call and the batch its data set draws.
 LossFn = Callable[[nn.Module, Any], Tensor]
+
+
+class MicroBatch(Protocol):
+    """What a training step needs of any batch: its inputs ``x``, on the model's device (a
+    `Batch`, or a data set's own batch type that a `LossFn` reads)."""
+
+    @property
+    def x(self) -> Tensor: ...
 SINGLE = DistContext()  # one process, on the CPU
 
 

@@ -29,14 +29,14 @@ import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Literal, NamedTuple, cast
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
 
 from minigpt.chat import prompt_ids
-from minigpt.data import Batch
 from minigpt.decoding import eval_mode, generate
 from minigpt.losses import SINGLE
 from minigpt.model import GPT
@@ -49,11 +49,6 @@ from minigpt.train import train_step
 Scale = Literal["std", "none"]
 KLKind = Literal["k1", "k3"]
 LengthNorm = Literal["sequence", "constant"]
-
-
-def _choose(name: str, value: str, options: tuple[str, ...]) -> None:
-    if value not in options:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, options))}, got {value!r}")
 
 
 # ---------------------------------------------------------------------------- pass@k
@@ -108,12 +103,7 @@ def group_advantages(rewards: Tensor, *, scale: Scale = "std", eps: float = 1e-6
         scale: "std" or "none".
         eps: > 0, keeps the division finite.
     """
-    if rewards.dim() != 2 or rewards.numel() == 0:
-        raise ValueError(f"rewards must have shape (P, G), P prompts x G answers, got "
-                         f"{tuple(rewards.shape)}")
-    _choose("scale", scale, ("std", "none"))
-    if not eps > 0:
-        raise ValueError(f"eps must be > 0, got {eps}")
+    assert rewards.dim() == 2, "rewards (P, G): P prompts x G answers"
     if not rewards.is_floating_point():
         rewards = rewards.to(torch.get_default_dtype())
     advantages = rewards - rewards.mean(dim=1, keepdim=True)
@@ -144,7 +134,6 @@ def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: KLKind = "k3") -> Tensor:
     k3 = e^d - 1 - d, also unbiased (E_pi[e^d] = sum_y pi_ref(y) = 1) and never negative,
     with less variance when the two are close. Shapes are kept.
     """
-    _choose("kl", kind, ("k1", "k3"))
     d = ref_logp - logp
     return -d if kind == "k1" else torch.expm1(d) - d
 
@@ -182,31 +171,23 @@ def grpo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, 
         kl_coef: beta >= 0. kl: "k1" or "k3" (`kl_estimate`).
         length_norm: "sequence" or "constant". max_tokens: the constant (>= 1).
     Returns: a scalar.
+
+    The settings are trusted here, on every step: `GRPOSettings` checks them once, where
+    they are given.
     """
-    _choose("length_norm", length_norm, ("sequence", "constant"))
-    if not clip > 0:
-        raise ValueError(f"clip must be > 0, got {clip}")
-    if not kl_coef >= 0:
-        raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
-    if kl_coef > 0 and ref_logp is None:
-        raise ValueError("a KL penalty (kl_coef > 0) needs ref_logp, the reference's "
-                         "log-probabilities of the same tokens")
-    if length_norm == "constant" and (max_tokens is None or max_tokens < 1):
-        raise ValueError(f"length_norm='constant' divides by max_tokens, the longest an "
-                         f"answer may be: give an int >= 1, got {max_tokens!r}")
     assert logp.shape == old_logp.shape == mask.shape, "logp, old_logp, mask: (N, L)"
     assert advantages.shape == logp.shape[:1], "one advantage per answer: (N,)"
     ratio = torch.exp(logp - old_logp)
     a = advantages[:, None].to(logp.dtype)
     objective = torch.minimum(ratio * a, ratio.clamp(1 - clip, 1 + clip) * a)
     if kl_coef > 0:
-        assert ref_logp is not None
+        assert ref_logp is not None, "a KL penalty needs the reference's log-probabilities"
         objective = objective - kl_coef * kl_estimate(logp, ref_logp, kl)
     total = torch.where(mask, objective, 0.0).sum(dim=1)  # (N,)
     if length_norm == "sequence":
         per_answer = total / mask.sum(dim=1).clamp(min=1)
     else:
-        assert max_tokens is not None
+        assert max_tokens is not None, "length_norm='constant' divides by max_tokens"
         per_answer = total / max_tokens
     return -per_answer.mean()
 
@@ -242,24 +223,14 @@ def rollouts(model: GPT, tokenizer: Tokenizer, prompts: Sequence[Sequence[int]],
     ``max_new_tokens`` tokens, or where the context is full. ``generator`` must live on the
     model's device (the draws happen there); seeded, it makes the rollouts reproducible.
     The model is in eval mode for the call. Returns `Rollouts` on the model's device.
+    The arguments are trusted (`grpo_batch` checks what a person gives).
     """
     T = model.config.context_length
-    device = next(model.parameters()).device
-    if not prompts:
-        raise ValueError("rollouts needs at least one prompt")
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
-    if generator is not None and generator.device.type != device.type:
-        raise ValueError(f"the generator is on {generator.device} and the model on {device}: "
-                         f"make it with torch.Generator({str(device)!r})")
     end = tokenizer.special_tokens[END_OF_TURN] if end_id is None else end_id
-    if not 0 <= end < model.config.vocab_size:
-        raise ValueError(f"end_id must lie in [0, {model.config.vocab_size}), got {end}")
+    assert prompts and group_size >= 1 and 0 <= end < model.config.vocab_size
     by_length: dict[int, list[int]] = {}
     for k, p in enumerate(prompts):
-        if not 0 < len(p) < T:
-            raise ValueError(f"prompt {k} has {len(p)} tokens; a prompt needs 1 to {T - 1}, "
-                             f"leaving room for an answer in the context of {T}")
+        assert 0 < len(p) < T, "a prompt leaves room for an answer in the context"
         by_length.setdefault(len(p), []).append(k)
     G = group_size
     seqs: list[list[int]] = [[] for _ in range(len(prompts) * G)]
@@ -278,6 +249,7 @@ def rollouts(model: GPT, tokenizer: Tokenizer, prompts: Sequence[Sequence[int]],
         ids.append(seq[:n + said] + [end] * (L - n - said))  # drawn after the end: dropped
         mask.append([False] * n + [True] * said + [False] * (L - n - said))
         texts.append(tokenizer.decode(answer[:said - 1] if end in answer else answer))
+    device = next(model.parameters()).device
     return Rollouts(torch.tensor(ids, device=device), torch.tensor(mask, device=device), texts)
 
 
@@ -287,54 +259,41 @@ def score(answers: Sequence[str], tasks: Sequence[Task]) -> Tensor:
     Exact match, the comparison by which `minigpt.tasks.exact_match` scores a model: a
     verifiable reward, a program's verdict on the answer (as cut before its end token).
     """
-    if len(answers) != len(tasks):
-        raise ValueError(f"{len(answers)} answers for {len(tasks)} tasks: give one answer "
-                         "per task")
+    assert len(answers) == len(tasks), "one answer per task"
     return torch.tensor([float(a == t.answer) for a, t in zip(answers, tasks, strict=True)])
 
 
 # --------------------------------------------------------------------------- one step
 
-@dataclass(frozen=True)
-class GRPOSettings:
-    """How a GRPO step samples and learns.
+class GRPOSettings(BaseModel):
+    """How a GRPO step samples and learns (validated here, where they are given).
 
     Attributes:
         group_size: G >= 2 answers to each question (a lone answer has no group to beat).
         max_new_tokens: the longest answer, >= 1 (and the constant of
             ``length_norm="constant"``).
-        temperature: the sampling temperature; 1 samples from the policy itself, which the
-            policy gradient assumes.
+        temperature: the sampling temperature, >= 0; 1 samples from the policy itself,
+            which the policy gradient assumes.
         clip: PPO's epsilon > 0. kl_coef: beta >= 0, the KL penalty's weight.
         kl: the KL estimator, "k1" or "k3". scale: "std" (GRPO) or "none" (Dr. GRPO).
         length_norm: "sequence" (GRPO) or "constant" (Dr. GRPO).
         grad_clip: the gradient's largest norm (0: not clipped).
     """
 
-    group_size: int = 8
-    max_new_tokens: int = 16
-    temperature: float = 1.0
-    clip: float = 0.2
-    kl_coef: float = 0.0
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    group_size: int = Field(default=8, ge=2, description="answers to each question")
+    max_new_tokens: int = Field(default=16, ge=1, description="the longest answer")
+    temperature: float = Field(default=1.0, ge=0.0, allow_inf_nan=False,
+                               description="the sampling temperature (0: greedy)")
+    clip: float = Field(default=0.2, gt=0.0, allow_inf_nan=False, description="PPO's epsilon")
+    kl_coef: float = Field(default=0.0, ge=0.0, allow_inf_nan=False,
+                           description="the KL penalty's weight")
     kl: KLKind = "k3"
     scale: Scale = "std"
     length_norm: LengthNorm = "sequence"
-    grad_clip: float = 1.0
-
-    def __post_init__(self) -> None:
-        for name, low in (("group_size", 2), ("max_new_tokens", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-        if not 0 < self.clip < math.inf:  # NaN fails too
-            raise ValueError(f"clip must be a finite number > 0, got {self.clip!r}")
-        for name in ("kl_coef", "grad_clip"):
-            if not 0 <= getattr(self, name) < math.inf:
-                raise ValueError(f"{name} must be a finite number >= 0, got "
-                                 f"{getattr(self, name)!r}")
-        _choose("kl", self.kl, ("k1", "k3"))
-        _choose("scale", self.scale, ("std", "none"))
-        _choose("length_norm", self.length_norm, ("sequence", "constant"))
+    grad_clip: float = Field(default=1.0, ge=0.0, allow_inf_nan=False,
+                             description="the gradient's largest norm (0: not clipped)")
 
 
 class RolloutBatch(NamedTuple):
@@ -363,8 +322,17 @@ def grpo_batch(policy: GPT, tokenizer: Tokenizer, tasks: Sequence[Task],
     rewards (P, G), on the policy's device."""
     if not tasks:
         raise ValueError("grpo_batch needs at least one task")
+    device, T = next(policy.parameters()).device, policy.config.context_length
+    if generator is not None and generator.device.type != device.type:
+        raise ValueError(f"the generator is on {generator.device} and the model on {device}: "
+                         f"make it with torch.Generator({str(device)!r})")
     G = settings.group_size
     prompts = [prompt_ids(t.conversation()[:1], tokenizer) for t in tasks]
+    for task, p in zip(tasks, prompts, strict=True):
+        if len(p) >= T:
+            raise ValueError(f"the question {task.question!r} is {len(p)} tokens in the chat "
+                             f"format; a model of context {T} reads at most {T - 1}, leaving "
+                             "room for an answer")
     out = rollouts(policy, tokenizer, prompts, group_size=G, generator=generator,
                    max_new_tokens=settings.max_new_tokens, temperature=settings.temperature)
     rewards = score(out.texts, [t for t in tasks for _ in range(G)]).view(len(tasks), G)
@@ -439,17 +407,16 @@ def grpo_step(policy: GPT, optimizer: Optimizer, tokenizer: Tokenizer, tasks: Se
     with eval_mode(policy):
         batch, rewards = grpo_batch(policy, tokenizer, tasks, settings, generator=generator,
                                     reference=reference)
-        # With a loss_fn, train_step reads only .x of a batch (for its device).
-        result = train_step(policy if trainee is None else trainee, optimizer,
-                            cast("list[Batch]", [batch]), grad_clip=settings.grad_clip,
+        result = train_step(policy if trainee is None else trainee, optimizer, [batch],
+                            grad_clip=settings.grad_clip,
                             loss_fn=partial(rollout_loss, settings=settings))
     kl = torch.zeros((), device=rewards.device)
     if batch.old_logp is not None and batch.ref_logp is not None:
         per_token = kl_estimate(batch.old_logp, batch.ref_logp, settings.kl)
         kl = torch.where(batch.mask, per_token, 0.0).sum(dim=1).mean()
     measured = torch.stack([rewards.mean(), zero_signal_groups(rewards).float().mean(),
-                            torch.tensor(result.loss, device=rewards.device), kl,
+                            result.loss, kl,
                             batch.mask.sum(dim=1).float().mean()])
     reward, zero_signal, loss, kl_value, length = mean_over_ranks(measured, ctx).tolist()
     return GRPOStats(reward, zero_signal, loss, kl_value if reference is not None else None,
-                     length, result.grad_norm)
+                     length, result.grad_norm.item())

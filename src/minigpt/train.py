@@ -37,7 +37,15 @@ from minigpt.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
 from minigpt.config import GPTConfig, TrainConfig
 from minigpt.data import Batch, ExampleSet
 from minigpt.files import atomic_write
-from minigpt.losses import SINGLE, LossFn, autocast, estimate_loss, full_loss, lm_loss
+from minigpt.losses import (
+    SINGLE,
+    LossFn,
+    MicroBatch,
+    autocast,
+    estimate_loss,
+    full_loss,
+    lm_loss,
+)
 from minigpt.model import GPT
 from minigpt.optim import Optimizer, build_optimizer, schedule_lr, set_lr
 from minigpt.parallel import (
@@ -81,55 +89,57 @@ class TrainResult:
 
 @dataclass(frozen=True)
 class StepResult:
-    loss: float  # mean loss of the step's micro-batches (on this rank)
-    grad_norm: float  # global L2 norm of the gradient, before clipping
+    """What a step measured, as 0-dim tensors on the model's device: reading them (``float``)
+    waits for the device, so the loop reads them only when it logs."""
+
+    loss: Tensor  # the step's mean loss (on this rank: its micro-batches)
+    grad_norm: Tensor  # global L2 norm of the gradient, before clipping
 
 
 def train_step(
-    model: nn.Module, optimizer: Optimizer, micro_batches: Sequence[Batch], *,
-    grad_clip: float, bf16: bool = False, counted: Tensor | None = None,
-    loss_fn: LossFn | None = None,
+    model: nn.Module, optimizer: Optimizer, micro_batches: Sequence[MicroBatch], *,
+    grad_clip: float, bf16: bool = False, loss_fn: LossFn | None = None,
+    ctx: DistContext = SINGLE,
 ) -> StepResult:
     """One optimiser step on k micro-batches, each a `Batch` of (B, T) inputs and targets,
     and of a mask for examples whose masked targets alone count.
 
-    Each micro-batch's mean loss is scaled by 1/k before its backward pass,
-    so the summed gradient is that of the mean loss over all k * B
-    sequences. Masked micro-batches count different numbers of targets n_i (answers of
-    different lengths), so their means are no equal shares: each one's *summed* loss is
-    divided by N = n_1 + ... + n_k instead, and the gradient is that of the mean over all
-    N counted targets. Under DDP the gradients are averaged over the ranks once, during
-    the last micro-batch's backward pass; ``counted`` is then N averaged over the ranks,
-    so that their average is the mean over every rank's counted targets. The gradient
-    is clipped to norm ``grad_clip`` (0: not clipped) before the update. A ``loss_fn``
-    replaces `lm_loss`: its mean loss of each micro-batch, whatever batch type its data
-    set draws, counts 1/k.
+    The loss is the mean over all N counted targets of the k micro-batches (every target
+    of a stream of ids; of examples, the masked ones): each micro-batch's *summed*
+    cross-entropy is divided by N = n_1 + ... + n_k, counted before the first backward
+    pass, so the summed gradient is that of the mean and every counted target weighs the
+    same, in a micro-batch of short answers or of long ones. Under DDP the gradients are
+    averaged over the ranks once, during the last micro-batch's backward pass, and N is
+    averaged over the ranks (one all-reduce), so that their average is the mean over every
+    rank's counted targets. The gradient is clipped to norm ``grad_clip`` (0: not clipped)
+    before the update. A ``loss_fn`` replaces `lm_loss`: its mean loss of each
+    micro-batch, whatever batch type its data set draws, counts 1/k. The loss and the
+    norm stay on the device (`StepResult`): reading them would wait for the step.
     """
     k = len(micro_batches)
-    masked = loss_fn is None and micro_batches[0].mask is not None
-    if masked and counted is None:
-        counted = sum((b.mask.sum() for b in micro_batches if b.mask is not None),
-                      torch.zeros((), dtype=torch.long))
+    if loss_fn is None:  # every counted target of the step, on every rank, weighs the same
+        counted = mean_over_ranks(torch.stack([_counted(b) for b in micro_batches]).sum()
+                                  .double(), ctx)
     loss_sum = torch.zeros((), device=micro_batches[0].x.device)
     for i, batch in enumerate(micro_batches):
         with _sync_gradients(model, i == k - 1):  # the backward pass is inside: DDP's no_sync
             with autocast(batch.x.device, bf16):
                 if loss_fn is not None:
-                    loss = loss_fn(model, batch)
-                    share = loss / k
-                elif not masked:
-                    loss = lm_loss(model, batch.x, batch.y)
-                    share = loss / k
-                else:
-                    assert counted is not None
-                    share = loss = lm_loss(model, *batch, reduction="sum") / counted
-            share.backward()  # type: ignore[no-untyped-call]
+                    loss = loss_fn(model, batch) / k
+                else:  # a Batch (`_counted` checked)
+                    loss = lm_loss(model, *cast(Batch, batch), reduction="sum") / counted
+            loss.backward()  # type: ignore[no-untyped-call]
         loss_sum += loss.detach().float()
     norm = nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    # .item() waits for the step to finish
-    return StepResult(loss_sum.item() / (1 if masked else k), float(norm))
+    return StepResult(loss_sum, norm)
+
+
+def _counted(batch: MicroBatch) -> Tensor:
+    """How many targets of a `Batch` count: where its mask is True, or all of them."""
+    assert isinstance(batch, Batch), "next-token cross-entropy reads Batches; else a loss_fn"
+    return batch.y.new_tensor(batch.y.numel()) if batch.mask is None else batch.mask.sum()
 
 
 def _sync_gradients(model: nn.Module, sync: bool) -> Any:
@@ -267,12 +277,14 @@ def train(model: GPT | GPTConfig, config: TrainConfig, train_data: np.ndarray | 
     bar = tqdm(total=end, initial=start, unit="step", disable=not (progress and ctx.is_main),
                dynamic_ncols=True)
     saved_at, wall0 = start if resume else -1, time.perf_counter()
+    unread: list[StepResult] = []  # the steps' losses and norms, read at each evaluation
     for step in range(start, end + 1):
         # Evaluate at multiples of eval_interval and at the end (a resumed run's first step
         # was evaluated before it stopped). Each rank scores its share of global batches:
         # the numbers do not depend on the number of processes.
         if (step % config.eval_interval == 0 or step == config.max_steps) and not (
                 resume and step == start):
+            record_steps(unread, history, ctx)
             losses = estimate_loss(model, {"train": train_data, "val": val_data},
                                    batch_size=config.batch_size, context_length=T,
                                    eval_steps=config.eval_steps, seed=config.seed + 1,
@@ -282,7 +294,8 @@ def train(model: GPT | GPTConfig, config: TrainConfig, train_data: np.ndarray | 
             history.eval_step.append(step)
             history.train_loss.append(losses["train"])
             history.val_loss.append(losses["val"])
-            bar.set_postfix(val=f"{losses['val']:.4f}")
+            bar.set_postfix(loss=f"{history.loss[-1]:.4f}" if history.loss else "-",
+                            val=f"{losses['val']:.4f}")
             if log is not None and ctx.is_main:
                 log(f"step {step}: train loss {losses['train']:.4f}, "
                     f"val loss {losses['val']:.4f}")
@@ -297,29 +310,30 @@ def train(model: GPT | GPTConfig, config: TrainConfig, train_data: np.ndarray | 
         t0 = time.perf_counter()
         batches = [rank_batch(train_data, config.batch_size, T, ctx, generator=batch_gen)
                    for _ in range(config.grad_accum)]
-        counted = None
-        if ctx.distributed and loss_fn is None and batches[0].mask is not None:
-            # Masked: the mean over the ranks of each one's counted targets (`train_step`).
-            counted = mean_over_ranks(
-                torch.stack([b.mask.sum() for b in batches if b.mask is not None])
-                .sum().double(), ctx)
         result = train_step(trainee, optimizer, batches, grad_clip=config.grad_clip,
-                            bf16=config.bf16, counted=counted, loss_fn=loss_fn)
-        loss = result.loss
-        if ctx.distributed:  # the loss of the whole global batch, as one process sees it
-            loss = mean_over_ranks(torch.tensor(loss, dtype=torch.float64), ctx).item()
+                            bf16=config.bf16, loss_fn=loss_fn, ctx=ctx)
         history.step.append(step)
-        history.loss.append(loss)
         history.lr.append(lr)
-        history.grad_norm.append(result.grad_norm)
         history.step_ms.append((time.perf_counter() - t0) * 1000.0)
-        bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+        unread.append(result)
         bar.update(1)
     bar.close()
+    record_steps(unread, history, ctx)
     if end != saved_at:
         save(end)
     return TrainResult(model, history, _metrics(history, config, model,
                                                  time.perf_counter() - wall0, ctx))
+
+
+def record_steps(results: list[StepResult], history: History, ctx: DistContext) -> None:
+    """Move the steps' losses (averaged over the ranks: the loss of each global batch, as one
+    process sees it) and gradient norms into ``history``, and forget them. One wait for the
+    device and one all-reduce for them all (collective: every rank must call it)."""
+    if results:
+        losses = mean_over_ranks(torch.stack([r.loss for r in results]).double(), ctx)
+        history.loss += losses.tolist()
+        history.grad_norm += torch.stack([r.grad_norm for r in results]).tolist()
+        results.clear()
 
 
 def trainee_of(model: GPT, ctx: DistContext, *, compile: bool = False) -> nn.Module:
