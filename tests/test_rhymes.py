@@ -236,6 +236,10 @@ def test_bad_task_settings_are_refused(text: str, rhymes: tuple[Vocabulary, Task
         split_words(["night"], seed=0, test_fraction=1.0)
     with pytest.raises(ValueError, match="seed must be an int, got 0.5"):
         make_rhymes(text, seed=0.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="teacher must be 'random' or 'frequent', got 'x'"):
+        make_rhymes(text, teacher="x")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="test_fraction must lie strictly between 0 and 1"):
+        make_rhymes(text, test_fraction=0.0)
 
 
 # ------------------------------------------------------------------------------ rewards

@@ -167,6 +167,11 @@ def question(word: str) -> str:
     return f"rhymes with: {word}"
 
 
+def _check_teacher(teacher: str) -> None:
+    if teacher not in ("random", "frequent"):
+        raise ValueError(f"teacher must be 'random' or 'frequent', got {teacher!r}")
+
+
 def rhymes_tasks(words: Sequence[str], vocab: Vocabulary, *, teacher: Teacher = "random",
                  rng: random.Random | None = None) -> list[Task]:
     """One task per word of ``words``, in their order: ``rhymes with: x``, answered with one
@@ -174,8 +179,7 @@ def rhymes_tasks(words: Sequence[str], vocab: Vocabulary, *, teacher: Teacher = 
     frequent in ``vocab`` (``"frequent"``, ties in alphabetical order). The task's
     ``word`` is x, and so is its ``source``: it is made from the word alone (and so
     `minigpt.tasks.check_split` refuses a word asked in both splits twice over)."""
-    if teacher not in ("random", "frequent"):
-        raise ValueError(f"teacher must be 'random' or 'frequent', got {teacher!r}")
+    _check_teacher(teacher)
     if teacher == "random" and rng is None:
         raise ValueError("teacher='random' draws the answers: give rng, a seeded "
                          "random.Random")
@@ -206,6 +210,9 @@ def make_rhymes(text: str, *, seed: int = 0, teacher: Teacher = "random",
     """
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed must be an int, got {seed!r}")
+    _check_teacher(teacher)
+    if not 0.0 < test_fraction < 1.0:  # before V is built, a second's work
+        raise ValueError(f"test_fraction must lie strictly between 0 and 1, got {test_fraction}")
     vocab = vocabulary(split_text(text, train_fraction)[0])
     rng = random.Random(seed)
     train_words, test_words = _split(asked_words(vocab), test_fraction, rng)
