@@ -1,0 +1,273 @@
+"""Rhymes: a task family with many right answers, for the chapter on learning from rewards.
+
+The families of `minigpt.tasks` each have one right answer, which supervised fine-tuning
+can copy. Here a question, ``rhymes with: x``, has many: a word of the vocabulary V, other
+than x, that ends with the same three letters as x. This is a *spelling* rhyme (``love``
+and ``glove`` rhyme, and so do ``love`` and ``prove``, which are not heard as one), chosen
+because a program can check it from the letters alone. A checker's verdict is then the
+whole reward, which is what the rewards chapter needs to compare learning from a reward
+(GRPO, rejection sampling) with learning from one answer to copy (SFT).
+
+* `vocabulary`: V, the lower-cased letters-only words of a text's spoken lines, 3 to 10
+  letters, seen at least 3 times (the chapter passes the training split of the corpus).
+* `right_answers`: the right answers to a word, most frequent first.
+* `asked_words`, `split_words`: the words asked about (4 to 8 letters, in V, with at least
+  3 rhymes in V), split into training and held-out words as `minigpt.tasks` splits words.
+* `rhymes_tasks`, `make_rhymes`: `Task`\\ s of the family ``"rhymes"`` whose answer is one
+  right answer, drawn at random or the corpus's most frequent (a teacher who knows the
+  corpus), so that SFT can be trained on either.
+* `is_right`, `is_right_leaky`, `checker`, `scorer`: the checker, a *leaky* checker that
+  forgets to ask whether the answer is a word at all (so that a stuttered ending such as
+  ``ororor`` passes for ``terror``: a reward to hack), and the rewards of a batch of
+  answers from either, as `minigpt.rl.score` gives them for exact match.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from functools import partial
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from minigpt.data import split_text
+from minigpt.tasks import Task, TaskSplit, check_split
+
+FAMILY = "rhymes"
+#: How many final letters two words share to rhyme.
+RHYME_LETTERS = 3
+Teacher = Literal["random", "frequent"]
+#: A checker: is ``answer`` right for ``task``?
+Checker = Callable[[str, Task], bool]
+#: Rewards (N,) float32 of N answers, one per task (`minigpt.rl.score`'s signature).
+Score = Callable[[Sequence[str], Sequence[Task]], Tensor]
+
+_PIECE = re.compile(r"[\s-]+")  # a hyphen joins two words: "self-same" is "self", "same"
+# A piece is a word if it is letters once the punctuation at its edges is gone; an
+# apostrophe is not punctuation here ("o'er", "'tis", "honour'd" are not letters-only).
+_LETTERS = re.compile(r"[^A-Za-z']*([A-Za-z]+)[^A-Za-z']*")
+_WORD = re.compile(r"[a-z]+")
+
+
+def spoken_words(text: str) -> list[str]:
+    """The lower-cased letters-only words of ``text``'s spoken lines, in order.
+
+    A speech is a block of lines after its ``Speaker:`` line (blocks are separated by a
+    blank line, `minigpt.data.play_to_text`'s shape), so speakers' names are not read;
+    stage directions are already gone from the corpus. Lines are cut at spaces and
+    hyphens; a piece counts if it is letters once the punctuation at its ends is
+    stripped, and is dropped if it holds anything else (an apostrophe, a digit)."""
+    words = []
+    for speech in text.split("\n\n"):
+        for line in speech.split("\n")[1:]:  # the first line names the speaker
+            for piece in _PIECE.split(line):
+                if found := _LETTERS.fullmatch(piece):
+                    words.append(found[1].lower())
+    return words
+
+
+class Vocabulary:
+    """V: words, each with the times it was seen, indexed by their last letters.
+
+    Args:
+        counts: word -> count; words lower-case letters of at least `RHYME_LETTERS`
+            letters, counts ints >= 1.
+    """
+
+    def __init__(self, counts: Mapping[str, int]) -> None:
+        for word, n in counts.items():
+            if not (isinstance(word, str) and _WORD.fullmatch(word)
+                    and len(word) >= RHYME_LETTERS):
+                raise ValueError(f"a vocabulary's words are lower-case letters, at least "
+                                 f"{RHYME_LETTERS} of them; got {word!r}")
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"a word's count must be an int >= 1; {word!r} has {n!r}")
+        self.counts: dict[str, int] = dict(sorted(counts.items()))
+        by_ending: dict[str, list[str]] = {}
+        for word in self.counts:
+            by_ending.setdefault(word[-RHYME_LETTERS:], []).append(word)
+        # Most frequent first, ties in alphabetical order: the frequent teacher's choice
+        # is then the first one.
+        self._by_ending = {end: sorted(ws, key=lambda w: (-self.counts[w], w))
+                           for end, ws in by_ending.items()}
+
+    def __len__(self) -> int:
+        return len(self.counts)
+
+    def __contains__(self, word: object) -> bool:
+        return word in self.counts
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.counts)
+
+    def ending(self, end: str) -> list[str]:
+        """The words that end with the letters ``end`` (`RHYME_LETTERS` of them), most
+        frequent first."""
+        return list(self._by_ending.get(end, ()))
+
+
+def vocabulary(text: str, *, min_count: int = 3, min_letters: int = 3,
+               max_letters: int = 10) -> Vocabulary:
+    """V: the `spoken_words` of ``text`` of ``min_letters`` to ``max_letters`` letters seen
+    at least ``min_count`` times, each with its count."""
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a str, got {type(text).__name__}")
+    for name, value, low in (("min_count", min_count, 1),
+                             ("min_letters", min_letters, RHYME_LETTERS),
+                             ("max_letters", max_letters, min_letters)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    counts = Counter(w for w in spoken_words(text) if min_letters <= len(w) <= max_letters)
+    return Vocabulary({w: n for w, n in counts.items() if n >= min_count})
+
+
+def right_answers(word: str, vocab: Vocabulary) -> list[str]:
+    """The right answers to ``rhymes with: word``: the words of ``vocab`` other than
+    ``word`` that end with its last `RHYME_LETTERS` letters, most frequent first (ties in
+    alphabetical order). ``word`` itself need not be in ``vocab``."""
+    if not (isinstance(word, str) and _WORD.fullmatch(word) and len(word) >= RHYME_LETTERS):
+        raise ValueError(f"a word to rhyme with is lower-case letters, at least "
+                         f"{RHYME_LETTERS} of them; got {word!r}")
+    return [w for w in vocab.ending(word[-RHYME_LETTERS:]) if w != word]
+
+
+def asked_words(vocab: Vocabulary, *, min_letters: int = 4, max_letters: int = 8,
+                min_rhymes: int = 3) -> list[str]:
+    """The words a ``rhymes with:`` question may ask about, in alphabetical order: the words
+    of ``vocab`` of ``min_letters`` to ``max_letters`` letters with at least ``min_rhymes``
+    right answers in ``vocab``."""
+    return [w for w in vocab.counts if min_letters <= len(w) <= max_letters
+            and len(vocab.ending(w[-RHYME_LETTERS:])) - 1 >= min_rhymes]
+
+
+def split_words(words: Sequence[str], *, seed: int, test_fraction: float = 0.2,
+                ) -> tuple[list[str], list[str]]:
+    """(training words, held-out words): the distinct ``words``, sorted, shuffled with
+    ``seed`` and a ``test_fraction`` of them (rounded) held out, as
+    `minigpt.tasks.make_tasks` splits the words its tasks ask about."""
+    return _split(words, test_fraction, random.Random(seed))
+
+
+def _split(words: Sequence[str], test_fraction: float, rng: random.Random,
+           ) -> tuple[list[str], list[str]]:
+    if not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"test_fraction must lie strictly between 0 and 1, got {test_fraction}")
+    shuffled = sorted(set(words))
+    rng.shuffle(shuffled)
+    n_test = round(len(shuffled) * test_fraction)
+    return shuffled[n_test:], shuffled[:n_test]
+
+
+def question(word: str) -> str:
+    """The question that asks for a rhyme of ``word``."""
+    return f"rhymes with: {word}"
+
+
+def _check_teacher(teacher: str) -> None:
+    if teacher not in ("random", "frequent"):
+        raise ValueError(f"teacher must be 'random' or 'frequent', got {teacher!r}")
+
+
+def rhymes_tasks(words: Sequence[str], vocab: Vocabulary, *, teacher: Teacher = "random",
+                 rng: random.Random | None = None) -> list[Task]:
+    """One task per word of ``words``, in their order: ``rhymes with: x``, answered with one
+    of x's `right_answers`, drawn uniformly with ``rng`` (``teacher="random"``) or the most
+    frequent in ``vocab`` (``"frequent"``, ties in alphabetical order). The task's
+    ``word`` is x, and so is its ``source``: it is made from the word alone (and so
+    `minigpt.tasks.check_split` refuses a word asked in both splits twice over)."""
+    _check_teacher(teacher)
+    if teacher == "random" and rng is None:
+        raise ValueError("teacher='random' draws the answers: give rng, a seeded "
+                         "random.Random")
+    tasks = []
+    for word in words:
+        answers = right_answers(word, vocab)
+        if not answers:
+            raise ValueError(f"{word!r} has no rhyme in the vocabulary: ask about words "
+                             "from asked_words")
+        if teacher == "frequent":
+            answer = answers[0]
+        else:
+            assert rng is not None
+            answer = rng.choice(answers)
+        tasks.append(Task(FAMILY, question(word), answer, word, word))
+    return tasks
+
+
+def make_rhymes(text: str, *, seed: int = 0, teacher: Teacher = "random",
+                test_fraction: float = 0.2, train_fraction: float = 0.9,
+                ) -> tuple[Vocabulary, TaskSplit]:
+    """V and one rhymes task per asked word, split into training and held-out tasks.
+
+    V is the `vocabulary` of the first ``train_fraction`` of ``text`` (`split_text`, the
+    part the book's models trained on); the `asked_words` are split with ``seed``
+    (`split_words`), and with ``"random"`` answers the same generator then draws them, so
+    that the split is the same for either ``teacher``.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an int, got {seed!r}")
+    _check_teacher(teacher)
+    if not 0.0 < test_fraction < 1.0:  # before V is built, a second's work
+        raise ValueError(f"test_fraction must lie strictly between 0 and 1, got {test_fraction}")
+    vocab = vocabulary(split_text(text, train_fraction)[0])
+    rng = random.Random(seed)
+    train_words, test_words = _split(asked_words(vocab), test_fraction, rng)
+    train = rhymes_tasks(train_words, vocab, teacher=teacher, rng=rng)
+    test = rhymes_tasks(test_words, vocab, teacher=teacher, rng=rng)
+    check_split(train, test)
+    return vocab, TaskSplit(train, test)
+
+
+# ----------------------------------------------------------------------- the checkers
+
+def _asked(task: Task) -> str:
+    if task.family != FAMILY:
+        raise ValueError(f"a rhymes checker checks {FAMILY!r} tasks, got a {task.family!r} "
+                         f"task ({task.question!r})")
+    return task.word
+
+
+def is_right(answer: str, task: Task, vocab: Vocabulary) -> bool:
+    """Is ``answer`` right for the rhymes ``task``: a word of ``vocab``, not the word asked
+    about, ending with its last `RHYME_LETTERS` letters (a spelling rhyme)?"""
+    word = _asked(task)
+    return answer in vocab and answer != word and answer.endswith(word[-RHYME_LETTERS:])
+
+
+def is_right_leaky(answer: str, task: Task) -> bool:
+    """`is_right` without "a word of the vocabulary": any text other than the word asked
+    about that ends with its last `RHYME_LETTERS` letters. A leaky reward: ``ororor``
+    passes for ``terror``, and ``hor`` alone for ``metaphor``."""
+    word = _asked(task)
+    return answer != word and answer.endswith(word[-RHYME_LETTERS:])
+
+
+def checker(vocab: Vocabulary | None) -> Checker:
+    """The checker of answers to rhymes tasks: `is_right` with ``vocab``, or the leaky
+    `is_right_leaky` for None."""
+    if vocab is None:
+        return is_right_leaky
+    if not isinstance(vocab, Vocabulary):
+        raise TypeError(f"vocab must be a Vocabulary (or None for the leaky checker), got "
+                        f"{type(vocab).__name__}")
+    return partial(is_right, vocab=vocab)
+
+
+def scorer(check: Checker) -> Score:
+    """The rewards of answers to tasks, as `minigpt.rl.score` gives them: (N,) float32, 1
+    for a right answer and 0 for a wrong one. A rhymes task's answer is judged by
+    ``check``; any other family's by exact match, as `minigpt.rl.score` does, so that
+    one batch may mix rhymes with the older families."""
+
+    def score(answers: Sequence[str], tasks: Sequence[Task]) -> Tensor:
+        if len(answers) != len(tasks):
+            raise ValueError(f"{len(answers)} answers for {len(tasks)} tasks: give one "
+                             "answer per task")
+        return torch.tensor([float(check(a, t) if t.family == FAMILY else a == t.answer)
+                             for a, t in zip(answers, tasks, strict=True)])
+
+    return score
