@@ -11,6 +11,7 @@ import dataclasses
 import itertools
 import math
 import textwrap
+from collections.abc import Sequence
 from fractions import Fraction
 from unittest import mock
 
@@ -464,6 +465,27 @@ def test_a_step_measures_and_moves_the_policy() -> None:
     with torch.no_grad():
         loss = rollout_loss(model.eval(), batch, settings=SETTINGS)
     assert loss.item() == pytest.approx(stats.loss, abs=1e-6)
+
+
+def test_a_step_is_rewarded_by_the_reward_it_is_given() -> None:
+    """``reward`` replaces exact match: it reads each answer beside its task (G copies of each
+    task, in order) and its verdicts are the rewards; a reward that every answer earns leaves
+    every group without signal, where exact match left 2 of 8 (the test above)."""
+    model, tok = peaked_model()
+    ts = reachable(model, tok, 8, SETTINGS.max_new_tokens)
+    seen: list[tuple[list[str], list[Task]]] = []
+
+    def everyone_wins(answers: Sequence[str], tasks: Sequence[Task]) -> torch.Tensor:
+        seen.append((list(answers), list(tasks)))
+        return torch.ones(len(answers))
+
+    opt = configure_optimizer(model, lr=1e-2, weight_decay=0.0)
+    stats = grpo_step(model, opt, tok, ts, SETTINGS, generator=torch.Generator().manual_seed(0),
+                      reference=copy.deepcopy(model).requires_grad_(False), reward=everyone_wins)
+    assert stats.reward == 1.0 and stats.zero_signal == 1.0
+    (answers, tasks), = seen
+    assert tasks == [t for t in ts for _ in range(SETTINGS.group_size)]
+    assert len(answers) == len(tasks) and all(isinstance(a, str) for a in answers)
 
 
 def test_without_a_reference_the_loss_reads_its_own_logprobs_as_the_samplers() -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Literal, NamedTuple
@@ -314,12 +314,19 @@ class RolloutBatch(NamedTuple):
     ref_logp: Tensor | None
 
 
+#: Answers and the tasks they answer -> their rewards (N,) float32: `score` (exact match), or
+#: a checker's verdicts (`minigpt.rhymes.scorer`).
+Reward = Callable[[Sequence[str], Sequence[Task]], Tensor]
+
+
 def grpo_batch(policy: GPT, tokenizer: Tokenizer, tasks: Sequence[Task],
                settings: GRPOSettings, *, generator: torch.Generator | None,
-               reference: GPT | None = None) -> tuple[RolloutBatch, Tensor]:
+               reference: GPT | None = None, reward: Reward = score,
+               ) -> tuple[RolloutBatch, Tensor]:
     """Sample G answers to each task's question (`rollouts`, in the chat format), score
-    them (`score`) and weigh them (`group_advantages`); returns the `RolloutBatch` and the
-    rewards (P, G), on the policy's device."""
+    them (``reward``: by default `score`, exact match) and weigh them
+    (`group_advantages`); returns the `RolloutBatch` and the rewards (P, G), on the
+    policy's device."""
     if not tasks:
         raise ValueError("grpo_batch needs at least one task")
     device, T = next(policy.parameters()).device, policy.config.context_length
@@ -335,7 +342,7 @@ def grpo_batch(policy: GPT, tokenizer: Tokenizer, tasks: Sequence[Task],
                              "room for an answer")
     out = rollouts(policy, tokenizer, prompts, group_size=G, generator=generator,
                    max_new_tokens=settings.max_new_tokens, temperature=settings.temperature)
-    rewards = score(out.texts, [t for t in tasks for _ in range(G)]).view(len(tasks), G)
+    rewards = reward(out.texts, [t for t in tasks for _ in range(G)]).view(len(tasks), G)
     rewards = rewards.to(out.ids.device)
     advantages = group_advantages(rewards, scale=settings.scale).flatten()
     x, y, mask = out.ids[:, :-1], out.ids[:, 1:], out.mask[:, 1:]
@@ -381,7 +388,7 @@ class GRPOStats:
 def grpo_step(policy: GPT, optimizer: Optimizer, tokenizer: Tokenizer, tasks: Sequence[Task],
               settings: GRPOSettings, *, generator: torch.Generator | None,
               reference: GPT | None = None, trainee: nn.Module | None = None,
-              ctx: DistContext = SINGLE) -> GRPOStats:
+              ctx: DistContext = SINGLE, reward: Reward = score) -> GRPOStats:
     """One GRPO step on ``tasks``: rollouts, rewards and advantages (`grpo_batch`), then one
     optimiser step on `rollout_loss` with `minigpt.train.train_step`.
 
@@ -400,13 +407,14 @@ def grpo_step(policy: GPT, optimizer: Optimizer, tokenizer: Tokenizer, tasks: Se
         generator: on the policy's device, for the draws. reference: the frozen model of
             the KL penalty (needed if ``settings.kl_coef`` > 0; it also gives ``kl``).
         trainee: the module the loss runs through (default: the policy). ctx: this rank.
+        reward: what an answer earns (default: `score`, exact match).
     """
     if settings.kl_coef > 0 and reference is None:
         raise ValueError("settings.kl_coef > 0 penalises the KL to a reference: give the "
                          "reference model")
     with eval_mode(policy):
         batch, rewards = grpo_batch(policy, tokenizer, tasks, settings, generator=generator,
-                                    reference=reference)
+                                    reference=reference, reward=reward)
         result = train_step(policy if trainee is None else trainee, optimizer, [batch],
                             grad_clip=settings.grad_clip,
                             loss_fn=partial(rollout_loss, settings=settings))
@@ -417,6 +425,6 @@ def grpo_step(policy: GPT, optimizer: Optimizer, tokenizer: Tokenizer, tasks: Se
     measured = torch.stack([rewards.mean(), zero_signal_groups(rewards).float().mean(),
                             result.loss, kl,
                             batch.mask.sum(dim=1).float().mean()])
-    reward, zero_signal, loss, kl_value, length = mean_over_ranks(measured, ctx).tolist()
-    return GRPOStats(reward, zero_signal, loss, kl_value if reference is not None else None,
+    mean_reward, zero_signal, loss, kl_value, length = mean_over_ranks(measured, ctx).tolist()
+    return GRPOStats(mean_reward, zero_signal, loss, kl_value if reference is not None else None,
                      length, result.grad_norm.item())
