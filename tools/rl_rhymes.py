@@ -22,7 +22,8 @@ an SFT step reads 8 conversations, 6 rhymes and 2 older ones. A run is a fixed n
 optimiser steps (``--steps``; the defaults, `STEPS`, take each method about 45-60 s on
 one thread of a 2-core AMD EPYC shared with other work), timed without its evaluations.
 
-Each run prints one line: the training seconds; on ``--eval-tasks`` held-out rhymes words
+Each run prints: the training seconds (wall-clock, and the process's CPU seconds, which
+another program's load on the machine changes less); on ``--eval-tasks`` held-out rhymes words
 (a seeded sample) the greedy right rate, sampled pass@1 and pass@8 and the distinct right
 answers among 16 samples (`minigpt.rl.evaluate_sampled`, the true checker), the fraction of
 groups of 8 all-equal beside its prediction p^8 + (1 - p)^8; the older families' exact
@@ -152,20 +153,20 @@ def main(argv: list[str] | None = None) -> int:
     eval_old = pick.sample(old.test, min(args.eval_tasks, len(old.test)))
     right, leaky = scorer(checker(vocab)), scorer(checker(None))
 
-    seconds = 0.0
+    seconds = cpu = 0.0  # wall-clock and this process's CPU seconds of training
     rewards: list[tuple[float, float]] = []
     extra: dict[str, Any] = {}
     if method == "cold" or (method != "zero-shot" and not args.cold.is_file()):
         settings = SFTSettings(**(COLD_START.model_dump() | dict(
             steps=steps, lr=lr, seed=args.seed))) if method == "cold" else COLD_START
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         model, losses = cold_start(model, tok, rhymes.train, old.train, settings)
-        cold_seconds = time.perf_counter() - t0
+        cold_seconds, cold_cpu = time.perf_counter() - t0, time.process_time() - c0
         torch.save(model.state_dict(), args.cold)
         print(f"cold start: {settings}, {cold_seconds:.1f} s, loss {losses[0]:.3f} -> "
               f"{statistics.fmean(losses[-50:]):.3f} (mean of the last 50); kept in {args.cold}")
         if method == "cold":
-            seconds = cold_seconds
+            seconds, cpu = cold_seconds, cold_cpu
     elif method != "zero-shot":
         model.load_state_dict(torch.load(args.cold, map_location="cpu", weights_only=True))
 
@@ -176,9 +177,9 @@ def main(argv: list[str] | None = None) -> int:
             tasks = rhymes.train if method == "sft-random" else frequent.train
             settings_sft = SFTSettings(steps=steps, lr=lr, batch_size=SFT_BATCH,
                                        replay_fraction=SFT_REPLAY, seed=args.seed)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             losses = supervised_steps(model, tok, tasks, settings_sft, replay=old.train)
-            seconds = time.perf_counter() - t0
+            seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
             extra["loss"] = [losses[0], statistics.fmean(losses[-50:])]
         else:
             reward: Reward = {"grpo-leaky": leaky, "grpo-random": coin_reward(
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             kls: list[float] = []
             for _ in range(steps):
                 ts = rng.sample(rhymes.train, RHYMES_PER_STEP) + rng.sample(old.train, OLD_PER_STEP)
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 if k == "rft":
                     stats: Any = rft_step(model, optimizer, tok, ts, settings,
                                           generator=generator, reward=reward)
@@ -198,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                                       reference=reference if settings.kl_coef > 0 else None)
                     kls.append(stats.kl if stats.kl is not None else float("nan"))
                 seconds += time.perf_counter() - t0
+                cpu += time.process_time() - c0
                 rewards.append((stats.reward, stats.zero_signal))
             extra["zero_signal_first10"] = statistics.fmean(z for _, z in rewards[:10])
             extra["zero_signal_last10"] = statistics.fmean(z for _, z in rewards[-10:])
@@ -205,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
                 extra["kl_last10"] = statistics.fmean(kls[-10:])
         model.eval()
 
+    extra["cpu_seconds"] = round(cpu, 1)
     report(method, steps if method != "zero-shot" else 0, lr, seconds, rewards, extra, model, tok,
            eval_rhymes, eval_old, right, leaky, args)
     return 0
