@@ -1,21 +1,28 @@
 """minigpt.rhymes: the vocabulary's rules, the split of the asked words, the tasks' answers,
-the checker and the leaky checker, and the rewards made from either."""
+the checker and the leaky checker, the rewards made from either, and the supervised steps
+of the cold start (on a tiny chat model)."""
 
 from __future__ import annotations
 
 import random
 import re
 from collections import Counter
+from unittest import mock
 
 import pytest
 import torch
+from test_dpo import chat_model
+from test_dpo import tasks as old_tasks
 
 from minigpt.data import shakespeare_text, split_text
 from minigpt.rhymes import (
+    COLD_START,
     FAMILY,
+    SFTSettings,
     Vocabulary,
     asked_words,
     checker,
+    cold_start,
     is_right,
     is_right_leaky,
     make_rhymes,
@@ -25,9 +32,11 @@ from minigpt.rhymes import (
     scorer,
     split_words,
     spoken_words,
+    supervised_steps,
     vocabulary,
 )
 from minigpt.tasks import Task, TaskSplit, check_split
+from minigpt.train import train_step
 
 SPEECHES = """HAMLET:
 To be, or not to be: that is the question.
@@ -256,3 +265,89 @@ def test_the_rewards_of_either_checker_and_of_other_families(
     assert scorer(checker(None))(answers, tasks).tolist() == [1.0, 0.0, 1.0, 1.0, 0.0]
     with pytest.raises(ValueError, match="2 answers for 1 tasks"):
         scorer(checker(vocab))(["light", "bright"], [night])
+
+
+# --------------------------------------------------------------------- supervised steps
+
+TINY = Vocabulary({w: 3 for w in ("night", "light", "might", "sight", "terror", "error",
+                                  "mirror")})
+
+
+def tiny_rhymes() -> list[Task]:
+    return rhymes_tasks(["night", "light", "terror"], TINY, teacher="frequent")
+
+
+def test_every_batch_replays_its_share_of_the_older_families() -> None:
+    model, tok = chat_model()
+    settings = SFTSettings(steps=5, lr=1e-3, batch_size=8, replay_fraction=0.25)
+    with mock.patch("minigpt.rhymes.train_step", wraps=train_step) as step:
+        losses = supervised_steps(model, tok, tiny_rhymes(), settings, replay=old_tasks())
+    assert step.call_count == 5 and len(losses) == 5
+    for call, loss in zip(step.call_args_list, losses, strict=True):
+        (batch,) = call.args[2]
+        rows = [tok.decode(row.tolist()) for row in batch.x]
+        assert sum("rhymes with: " in row for row in rows) == 6, rows  # 2 of 8 replayed
+        assert loss > 0
+    without = SFTSettings(steps=3, lr=1e-3, batch_size=8)
+    with mock.patch("minigpt.rhymes.train_step", wraps=train_step) as step:
+        supervised_steps(model, tok, tiny_rhymes(), without, replay=old_tasks())
+    assert all("rhymes with: " in tok.decode(row.tolist())
+               for call in step.call_args_list for row in call.args[2][0].x)
+
+
+def test_supervised_steps_learn_the_answers_are_seeded_and_keep_the_mode() -> None:
+    settings = SFTSettings(steps=40, lr=1e-2, batch_size=4)
+    runs = []
+    for seed in (0, 0, 1):
+        model, tok = chat_model()
+        model.eval()
+        losses = supervised_steps(model, tok, tiny_rhymes(), settings.model_copy(
+            update={"seed": seed}), replay=old_tasks())
+        assert not model.training
+        runs.append((losses, model.state_dict()))
+    losses = runs[0][0]
+    assert sum(losses[-5:]) / 5 < 0.5 * losses[0]  # measured: 4.0 -> 0.28
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1].values(), runs[1][1].values(),
+                                                 strict=True))
+    assert runs[2][0] != runs[0][0]
+    model, tok = chat_model()
+    model.train()
+    supervised_steps(model, tok, tiny_rhymes(), settings.model_copy(update={"steps": 1}))
+    assert model.training
+
+
+def test_the_cold_start_trains_a_copy() -> None:
+    model, tok = chat_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    settings = COLD_START.model_copy(update={"steps": 3})
+    start, losses = cold_start(model, tok, tiny_rhymes(), old_tasks(), settings)
+    assert len(losses) == 3 and not start.training and start is not model
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert any(not torch.equal(before[k], v) for k, v in start.state_dict().items())
+    assert COLD_START.replay_fraction == 0.5
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("steps", 0, "steps\n  Input should be greater than or equal to 1"),
+    ("lr", 0.0, "lr\n  Input should be greater than 0"),
+    ("lr", float("nan"), "lr\n  Input should be a finite number"),
+    ("batch_size", 0, "batch_size\n  Input should be greater than or equal to 1"),
+    ("replay_fraction", 1.0, "replay_fraction\n  Input should be less than 1"),
+    ("replay_fraction", -0.1, "replay_fraction\n  Input should be greater than or equal to 0"),
+    ("seed", -1, "seed\n  Input should be greater than or equal to 0"),
+    ("rate", 0.1, "rate\n  Extra inputs are not permitted"),
+])
+def test_bad_sft_settings_are_refused(field: str, value: object, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        SFTSettings(**({"steps": 1, "lr": 1e-3} | {field: value}))  # type: ignore[arg-type]
+
+
+def test_supervised_steps_refuse_what_they_cannot_train_on() -> None:
+    model, tok = chat_model()
+    half = SFTSettings(steps=1, lr=1e-3, replay_fraction=0.5)
+    with pytest.raises(ValueError, match="replays 4 of 8 conversations a step: give the "
+                                         "replay tasks"):
+        supervised_steps(model, tok, tiny_rhymes(), half)
+    with pytest.raises(ValueError, match="at least one task"):
+        supervised_steps(model, tok, [], half, replay=old_tasks())

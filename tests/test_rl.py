@@ -22,17 +22,21 @@ from test_dpo import tasks as all_tasks
 
 from minigpt import GPT
 from minigpt.chat import greedy_replies, prompt_ids
+from minigpt.data import Batch
 from minigpt.dpo import sequence_logprobs
 from minigpt.optim import configure_optimizer
 from minigpt.rl import (
+    EVAL_CHUNK,
     GRPOSettings,
     RolloutBatch,
+    evaluate_sampled,
     group_advantages,
     grpo_batch,
     grpo_loss,
     grpo_step,
     kl_estimate,
     pass_at_k,
+    rft_step,
     rollout_loss,
     rollouts,
     score,
@@ -566,6 +570,154 @@ def test_a_kl_penalty_needs_a_reference() -> None:
     opt = configure_optimizer(model, lr=1e-2, weight_decay=0.0)
     with pytest.raises(ValueError, match="give the reference model"):
         grpo_step(model, opt, tok, all_tasks()[:2], SETTINGS, generator=None)
+
+
+# ----- rejection sampling --------------------------------------------------------------------
+
+def test_rejection_sampling_is_one_supervised_step_on_the_right_samples() -> None:
+    """RFT samples what GRPO samples (the same generator, the same rows), keeps the rows
+    whose reward is 1 and takes `train_step` on them: the weights match that step exactly."""
+    model, tok = peaked_model()
+    ts = reachable(model, tok, 8, SETTINGS.max_new_tokens)
+    twin = copy.deepcopy(model)
+    opt = configure_optimizer(model, lr=1e-3, weight_decay=0.0)
+    stats = rft_step(model, opt, tok, ts, SETTINGS, generator=torch.Generator().manual_seed(0))
+    batch, rewards = grpo_batch(twin, tok, ts, SETTINGS,
+                                generator=torch.Generator().manual_seed(0))
+    keep = rewards.flatten() == 1
+    assert stats.kept == int(keep.sum()) and 0 < stats.kept < rewards.numel()
+    assert stats.reward == rewards.mean().item() and stats.zero_signal == 0.25  # as GRPO's
+    assert stats.length == 3.0 and stats.grad_norm > 0
+    twin_opt = configure_optimizer(twin, lr=1e-3, weight_decay=0.0)
+    result = train_step(twin, twin_opt, [Batch(batch.x[keep], batch.y[keep], batch.mask[keep])],
+                        grad_clip=SETTINGS.grad_clip)
+    assert stats.loss == result.loss.item()
+    for (name, a), b in zip(model.state_dict().items(), twin.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_rejection_sampling_without_a_right_answer_takes_no_step() -> None:
+    model, tok = peaked_model()
+    ts = [dataclasses.replace(t, answer="no such answer") for t in all_tasks()[:8]]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = configure_optimizer(model, lr=1e-3, weight_decay=0.0)
+    stats = rft_step(model, opt, tok, ts, SETTINGS, generator=torch.Generator().manual_seed(0))
+    assert stats.reward == 0.0 and stats.kept == 0 and stats.zero_signal == 1.0
+    assert math.isnan(stats.loss) and stats.grad_norm == 0.0
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_rejection_sampling_is_rewarded_by_the_reward_it_is_given() -> None:
+    model, tok = peaked_model()
+    ts = all_tasks()[:8]  # their answers are out of reach; a reward every answer earns
+    opt = configure_optimizer(model, lr=1e-3, weight_decay=0.0)
+    stats = rft_step(model, opt, tok, ts, SETTINGS, generator=torch.Generator().manual_seed(0),
+                     reward=lambda answers, tasks: torch.ones(len(answers)))
+    assert stats.reward == 1.0 and stats.kept == 8 * SETTINGS.group_size
+
+
+def test_rejection_sampling_steps_raise_the_expected_reward() -> None:
+    model, tok = peaked_model()
+    ts = reachable(model, tok, 8, SETTINGS.max_new_tokens)
+    start = expected_reward(model, tok, ts)
+    opt = configure_optimizer(model, lr=1e-3, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        rft_step(model, opt, tok, ts, SETTINGS, generator=gen)
+    # measured: 0.50 -> 0.87
+    assert start == pytest.approx(0.496, abs=1e-3) and expected_reward(model, tok, ts) > 0.8
+
+
+# ----- evaluation ------------------------------------------------------------------------------
+
+def test_evaluation_counts_what_its_samples_earn() -> None:
+    """Every number is recomputed here from the answers it returns, which are the rollouts of
+    the same generator; greedy answers are right by construction of the tasks."""
+    model, tok = peaked_model()
+    ts = reachable(model, tok, 8, 3)
+    ev = evaluate_sampled(model, tok, ts, generator=torch.Generator().manual_seed(0),
+                          samples=16, k=8, max_new_tokens=3)
+    again = rollouts(model, tok, _prompts(tok, 8), group_size=16, max_new_tokens=3,
+                     generator=torch.Generator().manual_seed(0))
+    assert [a for answers in ev.answers for a in answers] == again.texts
+    assert ev.greedy == 1.0 and list(ev.greedy_answers) == [t.answer for t in ts]
+    right = [[a == t.answer for a in answers] for t, answers in zip(ts, ev.answers, strict=True)]
+    counts = [sum(r) for r in right]
+    # mixed (seeded: 4 to 16 of 16 right), so that the numbers below are not trivial
+    assert sum(1 < c < 15 for c in counts) >= 4 and 16 in counts
+    assert ev.pass_at_1 == pytest.approx(sum(counts) / 16 / 8, abs=1e-12)
+    assert ev.pass_at_k == pytest.approx(sum(
+        1 - math.comb(16 - c, 8) / math.comb(16, 8) for c in counts) / 8, abs=1e-12)
+    groups = [r[g:g + 8] for r in right for g in (0, 8)]
+    assert ev.all_equal == sum(len(set(g)) == 1 for g in groups) / len(groups)
+    assert ev.all_equal_predicted == pytest.approx(sum(
+        (math.comb(c, 8) + math.comb(16 - c, 8)) / math.comb(16, 8) for c in counts) / 8,
+        abs=1e-12)
+    # one right answer per task here, so distinct right answers are 1 where any is right
+    assert ev.distinct_right == 1.0
+    assert (ev.n, ev.k, ev.tasks) == (16, 8, 8)
+    same = evaluate_sampled(model, tok, ts, generator=torch.Generator().manual_seed(0),
+                            samples=16, k=8, max_new_tokens=3)
+    assert same == ev
+    other = evaluate_sampled(model, tok, ts, generator=torch.Generator().manual_seed(1),
+                             samples=16, k=8, max_new_tokens=3)
+    assert other.answers != ev.answers
+
+
+def test_evaluation_counts_distinct_right_answers_by_the_reward() -> None:
+    model, tok = peaked_model()
+    ts = all_tasks()[:6]
+
+    def starts_upper_case(answers: Sequence[str], tasks: Sequence[Task]) -> torch.Tensor:
+        return torch.tensor([float(a[:1].isupper()) for a in answers])
+
+    ev = evaluate_sampled(model.eval(), tok, ts, generator=torch.Generator().manual_seed(0),
+                          reward=starts_upper_case, samples=8, k=4, max_new_tokens=4)
+    distinct = [len({a for a in answers if a[:1].isupper()}) for answers in ev.answers]
+    assert sum(distinct) / 6 == ev.distinct_right and ev.distinct_right > 1
+
+
+def test_the_predicted_share_of_all_equal_groups_is_unbiased() -> None:
+    """With a reward that is a coin of known p, whatever the answer, the prediction averages
+    to p^k + (1 - p)^k, and so does the measured share."""
+    model, tok = chat_model()
+    ts = all_tasks()[:4] * 100
+    coin = torch.Generator().manual_seed(1)
+    p, k, n = 0.3, 4, 8
+
+    def coin_reward(answers: Sequence[str], tasks: Sequence[Task]) -> torch.Tensor:
+        return (torch.rand(len(answers), generator=coin) < p).float()
+
+    ev = evaluate_sampled(model, tok, ts, generator=torch.Generator().manual_seed(0),
+                          reward=coin_reward, samples=n, k=k, max_new_tokens=1)
+    truth = p**k + (1 - p) ** k  # 0.2482
+    assert len(ts) > EVAL_CHUNK  # several chunks
+    # measured: 0.231 and 0.231, over 400 tasks; pass@1 0.310
+    assert ev.all_equal_predicted == pytest.approx(truth, abs=0.03)
+    assert ev.all_equal == pytest.approx(truth, abs=0.03)
+    assert ev.pass_at_1 == pytest.approx(p, abs=0.02)
+
+
+def test_bad_evaluation_arguments_are_refused() -> None:
+    model, tok = chat_model()
+    ts, gen = all_tasks()[:2], torch.Generator().manual_seed(0)
+    with pytest.raises(ValueError, match="at least one task"):
+        evaluate_sampled(model, tok, [], generator=gen)
+    with pytest.raises(ValueError, match="samples must be a multiple of k = 8"):
+        evaluate_sampled(model, tok, ts, generator=gen, samples=12)
+    with pytest.raises(ValueError, match="k must be an int >= 1, got 0"):
+        evaluate_sampled(model, tok, ts, generator=gen, k=0)
+    with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1, got 0"):
+        evaluate_sampled(model, tok, ts, generator=gen, max_new_tokens=0)
+    with pytest.raises(ValueError, match="the reward must give 0 or 1"):
+        evaluate_sampled(model, tok, ts, generator=gen, samples=2, k=1, max_new_tokens=2,
+                         reward=lambda answers, tasks: torch.full((len(answers),), 0.5))
+    on_a_gpu = mock.Mock(spec=torch.Generator, device=torch.device("cuda"))
+    with pytest.raises(ValueError, match="generator is on cuda and the model on cpu"):
+        evaluate_sampled(model, tok, ts, generator=on_a_gpu)
+    long = dataclasses.replace(ts[0], question="upper: " + "a" * 80)
+    with pytest.raises(ValueError, match="a model of context 64 reads at most 63"):
+        evaluate_sampled(model, tok, [long], generator=gen)
 
 
 # ----- several processes ------------------------------------------------------------------

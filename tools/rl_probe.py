@@ -22,8 +22,8 @@ The baselines, for a comparison at equal training time (give the same ``--second
 ``--baseline sft`` continues supervised fine-tuning on the same families' training tasks
 (`minigpt.sft.encode_tasks`, `minigpt.train.train_step` with the assistants' batch size
 and gradient clip; the default rate is the one their schedule ends at, `SFT_TRAINING`'s
-``min_lr``); ``--baseline rft`` (rejection-sampling fine-tuning) samples answers exactly as
-GRPO does and takes a supervised step on the right ones alone.
+``min_lr``); ``--baseline rft`` (rejection-sampling fine-tuning, `minigpt.rl.rft_step`)
+samples answers exactly as GRPO does and takes a supervised step on the right ones alone.
 
 One thread, as set-up trains; seeded, a run is reproducible on one machine. A GRPO step of
 16 questions x 8 answers takes about 1 s on one core of a 2-core AMD EPYC.
@@ -46,10 +46,9 @@ import torch
 from minigpt.assistant import MODELS, assistant_tasks
 from minigpt.chat import prompt_ids
 from minigpt.config import TrainConfig
-from minigpt.data import Batch
 from minigpt.model import GPT
 from minigpt.optim import configure_optimizer
-from minigpt.rl import GRPOSettings, grpo_step, pass_at_k, rollouts, score
+from minigpt.rl import GRPOSettings, grpo_step, pass_at_k, rft_step, rollouts, score
 from minigpt.sft import SFT_TRAINING, encode_tasks
 from minigpt.tasks import FAMILIES, Task, exact_match
 from minigpt.tokenizer import Tokenizer
@@ -73,24 +72,6 @@ def sampled_pass(model: GPT, tok: Tokenizer, tasks: Sequence[Task], settings: GR
     counts = right.view(len(tasks), PASS_SAMPLES).sum(dim=1).long().tolist()
     return {f"pass@{k}": statistics.fmean(pass_at_k(PASS_SAMPLES, c, k) for c in counts)
             for k in (1, PASS_SAMPLES)}
-
-
-def rft_step(model: GPT, optimizer: torch.optim.Optimizer, tok: Tokenizer,
-             tasks: Sequence[Task], settings: GRPOSettings, generator: torch.Generator,
-             grad_clip: float) -> dict[str, float]:
-    """Rejection-sampling fine-tuning: sample as GRPO does, then one supervised step (the
-    masked loss) on the right answers alone; no step if none is right."""
-    G = settings.group_size
-    prompts = [prompt_ids(t.conversation()[:1], tok) for t in tasks]
-    out = rollouts(model, tok, prompts, group_size=G, generator=generator,
-                   max_new_tokens=settings.max_new_tokens, temperature=settings.temperature)
-    rewards = score(out.texts, [t for t in tasks for _ in range(G)])
-    keep = rewards.bool()
-    if keep.any():
-        batch = Batch(out.ids[keep, :-1], out.ids[keep, 1:], out.mask[keep, 1:])
-        train_step(model.train(), optimizer, [batch], grad_clip=grad_clip)
-        model.eval()
-    return {"reward": rewards.mean().item(), "kept": int(keep.sum())}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,8 +166,9 @@ def main(argv: list[str] | None = None) -> int:
             model.eval()
             window.append({})
         elif args.baseline == "rft":
-            window.append(rft_step(model, optimizer, tok, rng.sample(train_tasks, args.prompts),
-                                   settings, generator, grad_clip=settings.grad_clip))
+            rft = rft_step(model, optimizer, tok, rng.sample(train_tasks, args.prompts),
+                           settings, generator=generator)
+            window.append({"reward": rft.reward, "kept": rft.kept})
         else:
             stats = grpo_step(model, optimizer, tok, rng.sample(train_tasks, args.prompts),
                               settings, generator=generator, reference=reference)

@@ -18,8 +18,11 @@ group's standard deviation and by each answer's length, which bias what is learn
 
 `grpo_batch` makes a batch of scored rollouts and `grpo_step` one optimiser step on it,
 with `minigpt.train.train_step` and `rollout_loss` as its loss; under DDP each rank samples
-answers to its own questions and the gradients are averaged. `pass_at_k` measures what
-sampling can reach: the chance that at least one of k answers is right.
+answers to its own questions and the gradients are averaged. `rft_step`, rejection-sampling
+fine-tuning, samples as GRPO does and takes a supervised step on the right answers alone.
+`pass_at_k` measures what sampling can reach: the chance that at least one of k answers is
+right; `evaluate_sampled` measures it on a model, with its greedy answers, how many distinct
+right answers it samples, and how many groups of answers give GRPO no signal.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Literal, NamedTuple
 
@@ -37,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
 
 from minigpt.chat import prompt_ids
+from minigpt.data import Batch
 from minigpt.decoding import eval_mode, generate
 from minigpt.losses import SINGLE
 from minigpt.model import GPT
@@ -334,12 +338,7 @@ def grpo_batch(policy: GPT, tokenizer: Tokenizer, tasks: Sequence[Task],
         raise ValueError(f"the generator is on {generator.device} and the model on {device}: "
                          f"make it with torch.Generator({str(device)!r})")
     G = settings.group_size
-    prompts = [prompt_ids(t.conversation()[:1], tokenizer) for t in tasks]
-    for task, p in zip(tasks, prompts, strict=True):
-        if len(p) >= T:
-            raise ValueError(f"the question {task.question!r} is {len(p)} tokens in the chat "
-                             f"format; a model of context {T} reads at most {T - 1}, leaving "
-                             "room for an answer")
+    prompts = _question_prompts(tasks, tokenizer, T)
     out = rollouts(policy, tokenizer, prompts, group_size=G, generator=generator,
                    max_new_tokens=settings.max_new_tokens, temperature=settings.temperature)
     rewards = reward(out.texts, [t for t in tasks for _ in range(G)]).view(len(tasks), G)
@@ -352,6 +351,18 @@ def grpo_batch(policy: GPT, tokenizer: Tokenizer, tasks: Sequence[Task],
             old_logp = token_logprobs(policy, x, y, mask)
             ref_logp = token_logprobs(reference, x, y, mask)
     return RolloutBatch(x, y, mask, advantages, old_logp, ref_logp), rewards
+
+
+def _question_prompts(tasks: Sequence[Task], tokenizer: Tokenizer, T: int) -> list[list[int]]:
+    """Each task's question in the chat format, refused if a model of context ``T`` has no
+    room left for its answer."""
+    prompts = [prompt_ids(t.conversation()[:1], tokenizer) for t in tasks]
+    for task, p in zip(tasks, prompts, strict=True):
+        if len(p) >= T:
+            raise ValueError(f"the question {task.question!r} is {len(p)} tokens in the chat "
+                             f"format; a model of context {T} reads at most {T - 1}, leaving "
+                             "room for an answer")
+    return prompts
 
 
 def rollout_loss(model: nn.Module, batch: RolloutBatch, *, settings: GRPOSettings) -> Tensor:
@@ -428,3 +439,170 @@ def grpo_step(policy: GPT, optimizer: Optimizer, tokenizer: Tokenizer, tasks: Se
     mean_reward, zero_signal, loss, kl_value, length = mean_over_ranks(measured, ctx).tolist()
     return GRPOStats(mean_reward, zero_signal, loss, kl_value if reference is not None else None,
                      length, result.grad_norm.item())
+
+
+# ------------------------------------------------------------ rejection sampling (RFT)
+
+@dataclass(frozen=True)
+class RFTStats:
+    """What one rejection-sampling step measured.
+
+    Attributes:
+        reward: the mean reward of the sampled answers.
+        zero_signal: the fraction of groups whose answers all scored the same (as GRPO
+            would count them; RFT still learns from a group that is all right).
+        kept: how many answers were right (reward > 0) and trained on.
+        loss: the masked cross-entropy of the kept answers before the step, in nats per
+            token; nan when none was kept (and no step was taken).
+        length: the mean number of tokens an answer has (its end token included).
+        grad_norm: the gradient's norm before clipping (0 without a step).
+    """
+
+    reward: float
+    zero_signal: float
+    kept: int
+    loss: float
+    length: float
+    grad_norm: float
+
+
+def rft_step(policy: GPT, optimizer: Optimizer, tokenizer: Tokenizer, tasks: Sequence[Task],
+             settings: GRPOSettings, *, generator: torch.Generator | None,
+             reward: Reward = score) -> RFTStats:
+    """One step of rejection-sampling fine-tuning (RFT; Yuan et al., 2023; STaR's loop,
+    Zelikman et al., 2022): sample G answers to each task exactly as GRPO does
+    (`grpo_batch`: the same rollouts from the same generator), keep the right ones (reward
+    > 0), and take one supervised step on them: `minigpt.train.train_step`'s masked
+    cross-entropy over the kept answers' tokens, their end token included, as fine-tuning
+    trains on a teacher's answers. No step when no answer is right.
+
+    The settings GRPO reads for its loss (clip, KL, scale, length_norm) play no part: RFT
+    weighs every kept token alike. One process (a rank keeping no answer would skip the
+    step that DDP's other ranks wait in). The step runs in the policy's own mode.
+
+    Args:
+        policy: the chat model trained, sampled from. optimizer: its optimiser.
+        tokenizer: its chat tokenizer. tasks: the questions. settings: `GRPOSettings`
+            (group size, answer length, temperature, grad_clip).
+        generator: on the policy's device, for the draws. reward: what an answer earns
+            (default: `score`, exact match).
+    """
+    batch, rewards = grpo_batch(policy, tokenizer, tasks, settings, generator=generator,
+                                reward=reward)
+    keep = rewards.flatten() > 0
+    kept = int(keep.sum())
+    loss, grad_norm = math.nan, 0.0
+    if kept:
+        result = train_step(policy, optimizer, [Batch(batch.x[keep], batch.y[keep],
+                                                      batch.mask[keep])],
+                            grad_clip=settings.grad_clip)
+        loss, grad_norm = result.loss.item(), result.grad_norm.item()
+    return RFTStats(rewards.mean().item(), zero_signal_groups(rewards).float().mean().item(),
+                    kept, loss, batch.mask.sum(dim=1).float().mean().item(), grad_norm)
+
+
+# ---------------------------------------------------------------------------- evaluation
+
+#: Questions sampled together by `evaluate_sampled` (a batch of this many times n rows).
+EVAL_CHUNK = 50
+
+
+@dataclass(frozen=True)
+class SampledEval:
+    """What `evaluate_sampled` measured on a model, each a mean over the tasks.
+
+    Attributes:
+        greedy: the fraction of tasks whose greedy answer is right.
+        pass_at_1, pass_at_k: `pass_at_k` from the n answers sampled to each task at
+            temperature 1, for k = 1 and k = ``k``.
+        distinct_right: how many distinct right answers are among a task's n samples.
+        all_equal: the fraction of groups of k answers (a task's n samples cut into n / k
+            consecutive groups) whose rewards are all equal: GRPO's zero-signal groups.
+        all_equal_predicted: p^k + (1 - p)^k, with p the chance that a task's sampled answer
+            is right, each power estimated without bias from its n samples (c right):
+            C(c, k) / C(n, k) + C(n - c, k) / C(n, k). (The plug-in, (c/n)^k + (1 - c/n)^k,
+            is biased upwards: its mean is 0.719 for the true 0.663 at p = 0.05, n = 16.)
+        n: answers sampled to each task. k: the group size. tasks: how many tasks.
+        answers: the n sampled answers to each task, in the tasks' order.
+        greedy_answers: the greedy answer to each task.
+    """
+
+    greedy: float
+    pass_at_1: float
+    pass_at_k: float
+    distinct_right: float
+    all_equal: float
+    all_equal_predicted: float
+    n: int
+    k: int
+    tasks: int
+    answers: tuple[tuple[str, ...], ...] = field(repr=False)
+    greedy_answers: tuple[str, ...] = field(repr=False)
+
+
+@torch.no_grad()
+def evaluate_sampled(model: GPT, tokenizer: Tokenizer, tasks: Sequence[Task], *,
+                     generator: torch.Generator | None, reward: Reward = score,
+                     samples: int = 16, k: int = 8, max_new_tokens: int = 12) -> SampledEval:
+    """Score a chat model's greedy and sampled answers to ``tasks`` by ``reward``.
+
+    Each question (in the chat format) is answered greedily once and sampled ``samples``
+    times at temperature 1 (`rollouts`, `EVAL_CHUNK` questions at a time); ``reward``
+    (0 or 1 an answer: exact match by default, or a checker's `minigpt.rhymes.scorer`)
+    judges every answer. Seeded, ``generator`` (on the model's device) makes the result
+    reproducible. Returns a `SampledEval`.
+
+    Args:
+        model: a chat model. tokenizer: its chat tokenizer. tasks: at least one.
+        generator: for the draws. reward: answers and tasks -> (N,) rewards, each 0 or 1.
+        samples: n >= k answers sampled to each task, a multiple of k.
+        k: the k of pass@k and the size of the groups counted in ``all_equal``, >= 1.
+        max_new_tokens: the longest answer, >= 1.
+    """
+    if not tasks:
+        raise ValueError("evaluate_sampled needs at least one task")
+    for name, value in (("k", k), ("samples", samples), ("max_new_tokens", max_new_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if samples % k:
+        raise ValueError(f"samples must be a multiple of k = {k} (they are cut into groups "
+                         f"of k), got {samples}")
+    device = next(model.parameters()).device
+    if generator is not None and generator.device.type != device.type:
+        raise ValueError(f"the generator is on {generator.device} and the model on {device}: "
+                         f"make it with torch.Generator({str(device)!r})")
+    prompts = _question_prompts(tasks, tokenizer, model.config.context_length)
+    greedy_texts: list[str] = []
+    sampled: list[str] = []
+    for start in range(0, len(tasks), EVAL_CHUNK):
+        chunk = prompts[start:start + EVAL_CHUNK]
+        greedy_texts += rollouts(model, tokenizer, chunk, group_size=1, generator=None,
+                                 max_new_tokens=max_new_tokens, temperature=0.0).texts
+        sampled += rollouts(model, tokenizer, chunk, group_size=samples, generator=generator,
+                            max_new_tokens=max_new_tokens, temperature=1.0).texts
+    right_greedy = reward(greedy_texts, tasks)
+    right = reward(sampled, [t for t in tasks for _ in range(samples)])
+    if not bool(((right == 0) | (right == 1)).all() & ((right_greedy == 0) |
+                                                        (right_greedy == 1)).all()):
+        raise ValueError("evaluate_sampled counts right answers: the reward must give 0 or 1 "
+                         "to each answer")
+    right = right.view(len(tasks), samples)
+    counts = right.sum(dim=1).long().tolist()
+    distinct = [len({a for a, r in zip(sampled[i * samples:(i + 1) * samples], right[i].tolist(),
+                                       strict=True) if r})
+                for i in range(len(tasks))]
+    groups = right.view(len(tasks) * (samples // k), k)
+    n = samples
+    return SampledEval(
+        greedy=right_greedy.mean().item(),
+        pass_at_1=math.fsum(pass_at_k(n, c, 1) for c in counts) / len(tasks),
+        pass_at_k=math.fsum(pass_at_k(n, c, k) for c in counts) / len(tasks),
+        distinct_right=sum(distinct) / len(tasks),
+        all_equal=zero_signal_groups(groups).float().mean().item(),
+        # C(n - c, k)/C(n, k) is the chance that k of the n miss: 1 - pass@k; and
+        # C(c, k)/C(n, k), that all k are right, is 1 - pass@k with the roles swapped.
+        all_equal_predicted=math.fsum(2.0 - pass_at_k(n, c, k) - pass_at_k(n, n - c, k)
+                                      for c in counts) / len(tasks),
+        n=n, k=k, tasks=len(tasks),
+        answers=tuple(tuple(sampled[i * n:(i + 1) * n]) for i in range(len(tasks))),
+        greedy_answers=tuple(greedy_texts))
