@@ -86,20 +86,31 @@ $(NPM_STAMP): package.json package-lock.json
 assets: $(STAMP)
 	$(PY) -m minigpt assets
 
-# The small models the chapters share (the book model, its draft, the modern model, and the
+# The small models the chapters share (the book model, its draft, the modern model, the
 # assistants: the modern model fine-tuned with three seeds and preference-tuned with three
-# values of beta), trained once and cached; later runs only verify them. The chapters load
+# values of beta, and the rewards chapter's runs: a cold start on rhymes and eighteen ways
+# to continue it), trained once and cached; later runs only verify them. The chapters load
 # them. Each trains on one thread (so its weights are the same on every run), so several
 # processes ("lanes") train them side by side, one a core: on two cores the book model, its
-# draft, one fine-tuned model and two DPO models in one lane (and then, for `make book`, the
-# playground's export), the modern model, two fine-tuned ones and one DPO model in the other;
-# on four cores or more, four lanes. Each model's cache has its own lock (a fine-tuning waits
-# for the modern model, a DPO run for `sft-0`, if another lane is still training it).
+# draft, one fine-tuned model, two DPO models and the GRPO and rejection-sampling runs in one
+# lane (and then, for `make book`, the playground's export), the modern model, two fine-tuned
+# ones, the cold start, one DPO model and the SFT and coin runs in the other; on four cores
+# or more, four lanes. Each model's cache has its own lock (a fine-tuning waits for the
+# modern model, a DPO run for `sft-0`, a rewards run for `rl-cold`, if another lane is still
+# training it).
 NPROC := $(shell nproc 2>/dev/null || echo 2)
+# The rewards chapter's runs (minigpt.rewards) continue rl-cold, which continues sft-0.
+GRPO_RUNS := rl-grpo-0 rl-grpo-1 rl-grpo-2 rl-grpo-kl-0 rl-grpo-rhymes-only-0 rl-grpo-leaky-0
+RFT_RUNS := rl-rft-0 rl-rft-1 rl-rft-2
+SFT_RUNS := rl-sft-random-0 rl-sft-random-1 rl-sft-random-2 \
+	rl-sft-frequent-0 rl-sft-frequent-1 rl-sft-frequent-2
+COIN_RUNS := rl-grpo-coin-0 rl-grpo-coin-1 rl-grpo-coin-2
 ifeq ($(shell test $(NPROC) -ge 4 2>/dev/null && echo many),many)
-MODEL_LANES := "book draft dpo-beta0.1 dpo-beta2" "modern sft-0 dpo" "sft-1" "sft-2"
+MODEL_LANES := "book draft dpo-beta0.1 dpo-beta2 $(RFT_RUNS)" "modern sft-0 rl-cold dpo $(COIN_RUNS)" \
+	"sft-1 $(GRPO_RUNS)" "sft-2 $(SFT_RUNS)"
 else
-MODEL_LANES := "book draft sft-2 dpo-beta0.1 dpo-beta2" "modern sft-0 sft-1 dpo"
+MODEL_LANES := "book draft sft-2 dpo-beta0.1 dpo-beta2 $(GRPO_RUNS) $(RFT_RUNS)" \
+	"modern sft-0 rl-cold sft-1 dpo $(SFT_RUNS) $(COIN_RUNS)"
 endif
 # $(call train_lanes,COMMAND): every lane in the background, COMMAND after the first lane's
 # models; fails if any lane or COMMAND failed.

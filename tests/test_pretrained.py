@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 
-from minigpt import assistant, pretrained
+from minigpt import assistant, catalogue, pretrained, rewards
 from minigpt.assets import MissingAssetError
 from minigpt.cli import main
 from minigpt.config import TrainConfig
@@ -205,7 +205,7 @@ def test_book_model_prints_nothing_whether_it_trains_or_loads(monkeypatch, capsy
 
 def test_the_command_trains_once_then_verifies(monkeypatch, capsys):
     monkeypatch.setattr(pretrained, "corpus", lambda: TEXT)
-    monkeypatch.setattr(assistant, "MODELS", {
+    monkeypatch.setattr(catalogue, "MODELS", {
         "tiny": lambda progress: pretrained.book_model(progress=progress, recipe=TINY)})
     assert main(["pretrained", "--quiet"]) == 0
     first = capsys.readouterr()
@@ -232,7 +232,7 @@ def test_the_command_logs_evaluations_but_no_bar_when_stderr_is_not_a_terminal(
         monkeypatch, capsys):
     # A CI runner's log gets a few lines, not a thousand redraws of a progress bar.
     monkeypatch.setattr(pretrained, "corpus", lambda: TEXT)
-    monkeypatch.setattr(assistant, "MODELS", {
+    monkeypatch.setattr(catalogue, "MODELS", {
         "tiny": lambda progress: pretrained.book_model(progress=progress, recipe=TINY)})
     assert main(["pretrained"]) == 0
     captured = capsys.readouterr()
@@ -252,6 +252,7 @@ def test_the_command_has_help(capsys):
 @pytest.mark.parametrize(("module", "listed"), [
     ("minigpt.pretrained", pretrained.TRAINING_MODULES),
     ("minigpt.assistant", assistant.ASSISTANT_MODULES),
+    ("minigpt.rewards", rewards.REWARDS_MODULES),
 ])
 def test_the_cache_key_hashes_every_module_that_trains(module: str,
                                                        listed: tuple[str, ...]) -> None:

@@ -21,7 +21,7 @@ import torch
 from helpers import ROOT, load_baseline_tool
 
 import minigpt
-from minigpt import assistant, pretrained
+from minigpt import catalogue, pretrained
 
 KERNEL_VARIABLES = sorted(minigpt.PINNED_CPU_KERNELS)
 LINUX_X86_64 = sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64")
@@ -72,5 +72,5 @@ def test_set_up_trained_the_stored_models_bit_for_bit() -> None:
     # Every model the chapters load (trained by set-up, loaded and verified here) has the
     # weights whose sha256 the stored outputs were made with, whichever x86-64 CPU this is.
     stored = json.loads((ROOT / "tests/notebooks/models.json").read_text(encoding="utf-8"))
-    assert sorted(stored) == sorted(assistant.MODELS)
+    assert sorted(stored) == sorted(catalogue.MODELS)
     assert load_baseline_tool().model_hashes() == stored

@@ -48,7 +48,7 @@ from nbclient import NotebookClient
 
 # Importing minigpt pins the CPU kernels (minigpt.PINNED_CPU_KERNELS) in this process's
 # environment, which every kernel it starts inherits.
-from minigpt.assistant import MODELS
+from minigpt.catalogue import MODELS
 
 ROOT = Path(__file__).resolve().parents[1]
 TOC = ROOT / "_toc.yml"
@@ -199,7 +199,7 @@ def baseline(chapter: Path, timeout: int = DEFAULT_TIMEOUT) -> Path:
 
 
 def model_hashes() -> dict[str, str]:
-    """name -> sha256 of the weights of every model in `minigpt.assistant.MODELS`, loaded
+    """name -> sha256 of the weights of every model in `minigpt.catalogue.MODELS`, loaded
     (and verified) from the cache that set-up filled."""
     return {name: load()[2].manifest["weights_sha256"] for name, load in MODELS.items()}
 

@@ -27,7 +27,7 @@ import torch
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 from tqdm import tqdm
 
-from minigpt import assets, assistant, data, parallel, pretrained
+from minigpt import assets, assistant, catalogue, data, parallel, pretrained
 from minigpt.assistant import ASSISTANT_RECIPE
 from minigpt.bpe import DEFAULT_BPE_VOCAB_SIZE, get_tokenizer
 from minigpt.chat import chat_loop
@@ -410,7 +410,7 @@ def model_flags(p: argparse.ArgumentParser, settings: type[ModelSettings]) -> No
     """--checkpoint or --model (not both), and --device."""
     start = p.add_mutually_exclusive_group()
     start.add_argument("--checkpoint", type=Path, help="a run's folder (its checkpoint.pt)")
-    start.add_argument("--model", help=f"a cached model: {', '.join(sorted(assistant.MODELS))}"
+    start.add_argument("--model", help=f"a cached model: {catalogue.names()}"
                        f" (default: {default(settings, 'model')})")
     p.add_argument("--device", help="where the model runs: cpu, cuda, cuda:1, ... (default: "
                    f"{default(settings, 'device')})")
@@ -443,13 +443,14 @@ def tuning_flags(p: argparse.ArgumentParser, settings: type[TuningSettings]) -> 
 
 def _cached_model(name: str) -> str:
     # Checked against the registry as it is when the command runs, not when this loads.
-    if name not in assistant.MODELS:
-        raise ValueError(f"invalid choice: {name!r} (choose from "
-                         f"{', '.join(sorted(assistant.MODELS))})")
+    name = catalogue.ALIASES.get(name, name)
+    if name not in catalogue.MODELS:
+        raise ValueError(f"invalid choice: {name!r} (choose from {catalogue.names()})")
     return name
 
 
-#: The name of a model set-up caches (`minigpt.assistant.MODELS`).
+#: The name of a model set-up caches (`minigpt.catalogue.MODELS`), or another name of one
+#: (`minigpt.catalogue.ALIASES`), read as the model's own.
 ModelName = Annotated[str, AfterValidator(_cached_model)]
 
 
@@ -494,7 +495,7 @@ def load_any(s: ModelSettings, device: torch.device | str | None = None,
     if s.checkpoint is not None:
         model, tokenizer, _ = load_model(s.checkpoint, device=device)
         return model, tokenizer, s.checkpoint.name or str(s.checkpoint)
-    model, tokenizer, _ = assistant.MODELS[s.model]()
+    model, tokenizer, _ = catalogue.MODELS[s.model]()
     return model.to(device), tokenizer, s.model
 
 
@@ -719,7 +720,7 @@ def add_pretrained(commands: Commands) -> None:
                     "train (once) and verify the models the chapters share")
     # The cached models are trained on the CPU, the same bits on every machine: no --device.
     p.add_argument("--only", action="append", help="only this model: "
-                   f"{', '.join(sorted(assistant.MODELS))} (repeatable; default: all)")
+                   f"{catalogue.names()} (repeatable; default: all)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -732,12 +733,12 @@ class PretrainedSettings(BaseModel):
 
 def pretrained_command(given: dict[str, Any], argv: list[str]) -> int:
     s = PretrainedSettings(**given)
-    for name in s.only or list(assistant.MODELS):
-        model, _, info = assistant.MODELS[name](progress=not s.quiet)
-        what = (f"trained in {info.metrics['total_seconds']:.0f} s" if info.built
+    for name in s.only or list(catalogue.MODELS):
+        model, _, info = catalogue.MODELS[name](progress=not s.quiet)
+        what = (f"trained in {catalogue.train_seconds(info):.0f} s" if info.built
                 else "loaded and verified")
-        print(f"{name} model ({model.num_parameters():,} parameters, validation loss "
-              f"{info.metrics['final_val_loss']:.3f}): {what}; {info.path}")
+        print(f"{name} model ({model.num_parameters():,} parameters, "
+              f"{catalogue.summary(info)}): {what}; {info.path}")
     return 0
 
 
