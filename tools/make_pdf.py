@@ -211,6 +211,16 @@ const article = document.querySelector('article.bd-article');
 for (const details of article.querySelectorAll('.tag_hide-cell details.hide')) {
   details.open = true;
 }
+// The toggled admonitions (worked solutions) open as sphinx-togglebutton opens them before a
+// print, but once and without a click: its print handler clicks each of them before every
+// print and again after it, and each click runs Bootstrap's document-wide click handlers,
+// which search the whole page (seconds, on this page of 150,000 elements).
+if (typeof toggleHidden === 'function') {
+  for (const button of article.querySelectorAll(
+      '.toggle-hidden > .admonition-title > button.toggle-button')) {
+    toggleHidden(button);
+  }
+}
 
 // Links: within the book they become in-document links; any other link to this
 // server (the site's other pages, its sources) means nothing in a PDF.
