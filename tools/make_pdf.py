@@ -335,6 +335,24 @@ def link_targets(pdf: bytes) -> dict[str, int]:
     return pages
 
 
+def lay_out_as_printed(browser: Any) -> None:
+    """Give the page the print's media and the size of the printed column.
+
+    Every Page.printToPDF lays the whole page out for paper and, once printed, again for
+    the screen; with the screen already the size of the paper's column, in print media,
+    both passes are short (a print of one page of this book: 12 to 13 s before, 3 to 5 s after,
+    the same pages to the pixel).
+    """
+    paper = PRINT_OPTIONS
+    inch = 96 / paper["scale"]  # CSS pixels in an inch of paper at the print's scale
+    width = paper["paperWidth"] - paper["marginLeft"] - paper["marginRight"]
+    height = paper["paperHeight"] - paper["marginTop"] - paper["marginBottom"]
+    browser.execute_cdp_cmd("Emulation.setEmulatedMedia", {"media": "print"})
+    browser.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", {
+        "width": round(width * inch), "height": round(height * inch), "deviceScaleFactor": 1,
+        "mobile": False})
+
+
 def print_book(page: Path, root: Path) -> tuple[bytes, dict[str, Any]]:
     """Open the single page in Chromium and print it; return the PDF and what was seen."""
     config = yaml.safe_load((root / "_config.yml").read_text(encoding="utf-8"))
@@ -353,6 +371,7 @@ def print_book(page: Path, root: Path) -> tuple[bytes, dict[str, Any]]:
         targets = browser.execute_script(_MAKE_BOOK, str(config.get("title", "")),
                                          str(config.get("author", "")),
                                          str(config.get("copyright", "")), PLACEHOLDER)
+        lay_out_as_printed(browser)
         first = base64.b64decode(browser.execute_cdp_cmd("Page.printToPDF", FIRST_PRINT)["data"])
         found = link_targets(first)
         missing = [t for t in targets if t not in found]
