@@ -46,8 +46,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PDF_NAME = "minigpt-book.pdf"
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
-# Seconds for the page, MathJax, the images and each print (266 pages take about 30 s on
-# one core, several times that while the tests keep both cores busy).
+# Seconds for the page, MathJax, the images and each print (the final print of 287 pages
+# takes about 25 s on one core, more while the tests keep both cores busy).
 TIMEOUT = 600
 # A4, 14 mm margins; at 80 % the column holds the package's 100-character lines.
 PRINT_OPTIONS = {
