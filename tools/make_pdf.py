@@ -46,8 +46,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PDF_NAME = "minigpt-book.pdf"
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
-# Seconds for the page, MathJax, the images and each print (266 pages take about 30 s on
-# one core, several times that while the tests keep both cores busy).
+# Seconds for the page, MathJax, the images and each print (the final print of 287 pages
+# takes about 25 s on one core, more while the tests keep both cores busy).
 TIMEOUT = 600
 # A4, 14 mm margins; at 80 % the column holds the package's 100-character lines.
 PRINT_OPTIONS = {
@@ -67,7 +67,8 @@ PRINT_OPTIONS = {
     "generateDocumentOutline": True,
 }
 # The first print only finds the page of every contents entry, so it needs no tags and no
-# outline; its pages are the final print's (which checks that no entry moved).
+# outline, and it paints only the entries' headings (_FIRST_PRINT_ONLY); its pages are the
+# final print's (which checks that no entry moved).
 FIRST_PRINT = PRINT_OPTIONS | {"generateTaggedPDF": False, "generateDocumentOutline": False}
 PLACEHOLDER = "000"  # as wide as any page number the contents will hold
 
@@ -211,6 +212,16 @@ const article = document.querySelector('article.bd-article');
 for (const details of article.querySelectorAll('.tag_hide-cell details.hide')) {
   details.open = true;
 }
+// The toggled admonitions (worked solutions) open as sphinx-togglebutton opens them before a
+// print, but once and without a click: its print handler clicks each of them before every
+// print and again after it, and each click runs Bootstrap's document-wide click handlers,
+// which search the whole page (seconds, on this page of 150,000 elements).
+if (typeof toggleHidden === 'function') {
+  for (const button of article.querySelectorAll(
+      '.toggle-hidden > .admonition-title > button.toggle-button')) {
+    toggleHidden(button);
+  }
+}
 
 // Links: within the book they become in-document links; any other link to this
 // server (the site's other pages, its sources) means nothing in a PDF.
@@ -270,7 +281,10 @@ function entry(section, level) {
   link.append(...copy.childNodes);
   link.style.cssText = 'text-decoration: none; color: inherit;';
   const dots = document.createElement('span');
-  dots.style.cssText = 'flex: 1; border-bottom: 1px dotted #999; transform: translateY(-0.3em);';
+  // Raised by relative positioning, not a transform: Chromium prints a transformed
+  // element's dots (a path each) on every page of the PDF, clipped away but there,
+  // 40,000 of them a page: slow to print and to read.
+  dots.style.cssText = 'flex: 1; border-bottom: 1px dotted #999; position: relative; top: -0.3em;';
   const number = document.createElement('span');
   number.className = 'minigpt-page-number';
   number.dataset.target = mark.id;
@@ -287,6 +301,23 @@ for (const part of parts) {
 front.append(page, contents);
 article.prepend(front);
 return targets;
+"""
+
+# Hides all but the contents' targets for the first print, and back: hidden elements keep
+# their boxes, so the pages are the same, but are not painted (a print in half the time).
+# arguments: true to hide, false to show again.
+_FIRST_PRINT_ONLY = """
+const hide = arguments[0];
+let style = document.getElementById('minigpt-first-print');
+if (hide && !style) {
+  style = document.createElement('style');
+  style.id = 'minigpt-first-print';
+  style.textContent = 'body * { visibility: hidden !important; } ' +
+    '[id^="minigpt-contents-"] { visibility: visible !important; }';
+  document.head.append(style);
+} else if (!hide && style) {
+  style.remove();
+}
 """
 
 _SET_PAGE_NUMBERS = """
@@ -322,6 +353,24 @@ def link_targets(pdf: bytes) -> dict[str, int]:
     return pages
 
 
+def lay_out_as_printed(browser: Any) -> None:
+    """Give the page the print's media and the size of the printed column.
+
+    Every Page.printToPDF lays the whole page out for paper and, once printed, again for
+    the screen; with the screen already the size of the paper's column, in print media,
+    both passes are short (a print of one page of this book: 12 to 13 s before, 3 to 5 s after,
+    the same pages to the pixel).
+    """
+    paper = PRINT_OPTIONS
+    inch = 96 / paper["scale"]  # CSS pixels in an inch of paper at the print's scale
+    width = paper["paperWidth"] - paper["marginLeft"] - paper["marginRight"]
+    height = paper["paperHeight"] - paper["marginTop"] - paper["marginBottom"]
+    browser.execute_cdp_cmd("Emulation.setEmulatedMedia", {"media": "print"})
+    browser.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", {
+        "width": round(width * inch), "height": round(height * inch), "deviceScaleFactor": 1,
+        "mobile": False})
+
+
 def print_book(page: Path, root: Path) -> tuple[bytes, dict[str, Any]]:
     """Open the single page in Chromium and print it; return the PDF and what was seen."""
     config = yaml.safe_load((root / "_config.yml").read_text(encoding="utf-8"))
@@ -340,7 +389,10 @@ def print_book(page: Path, root: Path) -> tuple[bytes, dict[str, Any]]:
         targets = browser.execute_script(_MAKE_BOOK, str(config.get("title", "")),
                                          str(config.get("author", "")),
                                          str(config.get("copyright", "")), PLACEHOLDER)
+        lay_out_as_printed(browser)
+        browser.execute_script(_FIRST_PRINT_ONLY, True)
         first = base64.b64decode(browser.execute_cdp_cmd("Page.printToPDF", FIRST_PRINT)["data"])
+        browser.execute_script(_FIRST_PRINT_ONLY, False)
         found = link_targets(first)
         missing = [t for t in targets if t not in found]
         if missing:
