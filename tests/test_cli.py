@@ -528,11 +528,11 @@ def _settings() -> dict[str, list[Any]]:
     return {"train": [cli.TrainFlags, GPTConfig, TrainConfig], "sample": [SampleSettings],
             "sft": [cli.SftSettings], "dpo": [cli.DpoSettings], "chat": [cli.ChatSettings],
             "eval": [cli.EvalSettings], "assets": [cli.AssetsSettings],
-            "pretrained": [cli.PretrainedSettings]}
+            "pretrained": [cli.PretrainedSettings], "rl": [cli.RlSettings]}
 
 
 @pytest.mark.parametrize("command", ["train", "sample", "sft", "dpo", "chat", "eval", "assets",
-                                     "pretrained"])
+                                     "pretrained", "rl"])
 def test_each_flag_sets_a_field_of_its_command_s_settings(
         command: str, capsys: pytest.CaptureFixture[str]) -> None:
     """The flags, written out in the parser, and the settings models they set agree: every
@@ -559,7 +559,7 @@ def test_each_flag_sets_a_field_of_its_command_s_settings(
 
 
 @pytest.mark.parametrize("command", ["train", "sample", "sft", "dpo", "chat", "eval", "assets",
-                                     "pretrained"])
+                                     "pretrained", "rl"])
 def test_the_help_shows_the_settings_defaults(
         command: str, capsys: pytest.CaptureFixture[str]) -> None:
     """Every default a flag's help shows is its field's (the CPU preset's for the model's
@@ -746,6 +746,56 @@ def test_clear_errors(argv: list[str], code: int, message: str, runs: dict[str, 
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert code == 2 or f"minigpt {argv[0]}: error:" in err
+
+
+def test_rl_continues_a_chat_model_and_writes_a_run_chat_can_load(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # A tiny chat model of the corpus's characters (the rhymes and the older families'
+    # questions are made from the corpus), two steps, and the run's evaluation.
+    from minigpt.data import shakespeare_text
+    from minigpt.tokenizer import CHAT_TOKENS, with_special_tokens
+
+    chat = with_special_tokens(CharTokenizer.from_text(shakespeare_text()), CHAT_TOKENS)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=chat.vocab_size, context_length=64, d_model=16,
+                          n_heads=2, n_layers=1))
+    save_checkpoint(tmp_path / "start" / "checkpoint.pt", {
+        "model": model.state_dict(), "optimizer": {}, "model_config": model.config.model_dump(),
+        "train_config": TrainConfig().model_dump(), "tokenizer": chat.to_dict(), "step": 0,
+        "rng": {}, "history": {}, "world_size": 1})
+    out = tmp_path / "run"
+    assert main(["rl", "--checkpoint", str(tmp_path / "start"), "--method", "sft-random",
+                 "--steps", "2", "--lr", "1e-3", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "continuing start with sft-random (2 steps)" in printed and "pass@1" in printed
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["method"] == "sft-random" and len(metrics["history"]["loss"]) == 2
+    assert 0 <= metrics["pass@1"] <= metrics["pass@8"] <= 1 and metrics["kl_to_start"] > 0
+    ckpt = load_checkpoint(out)
+    assert (ckpt["step"], ckpt["train_config"]["lr"]) == (2, 1e-3)
+    trained, tok, step = load_model(out)
+    assert step == 2 and "<|user|>" in tok.special_tokens
+    assert any(not torch.equal(a, b) for a, b in zip(
+        trained.state_dict().values(), model.state_dict().values(), strict=True))
+
+
+@pytest.mark.parametrize(("argv", "code", "message"), [
+    (["rl", "--out", "{tmp}", "--method", "ppo"], 2, "argument --method: invalid choice: 'ppo'"),
+    (["rl", "--out", "{tmp}", "--steps", "0"], 2,
+     "--steps: Input should be greater than or equal to 1"),
+    (["rl", "--out", "{tmp}", "--lr", "nan"], 2, "--lr: Input should be a finite number"),
+    (["rl", "--out", "{tmp}", "--model", "rl-ppo-0"], 2,
+     "--model: invalid choice: 'rl-ppo-0' (choose from book, "),
+    (["rl", "--checkpoint", "{base}", "--out", "{tmp}"], 1, "it is a base model"),
+    (["rl", "--model", "rl-cold"], 2, "the following arguments are required: --out"),
+])
+def test_rl_errors(argv: list[str], code: int, message: str, runs: dict[str, Path],
+                   tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    names = {"base": runs["base"], "tmp": tmp_path / "out"}
+    assert main([a.format(**names) for a in argv]) == code
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("command", ["chat", "sft", "dpo", "eval", "sample"])

@@ -284,15 +284,16 @@ def test_every_batch_replays_its_share_of_the_older_families() -> None:
         losses = supervised_steps(model, tok, tiny_rhymes(), settings, replay=old_tasks())
     assert step.call_count == 5 and len(losses) == 5
     for call, loss in zip(step.call_args_list, losses, strict=True):
-        (batch,) = call.args[2]
-        rows = [tok.decode(row.tolist()) for row in batch.x]
+        # one batch, or its rows cut into micro-batches outside SPLIT_TOKENS
+        rows = [tok.decode(row.tolist()) for batch in call.args[2] for row in batch.x]
+        assert len(rows) == 8
         assert sum("rhymes with: " in row for row in rows) == 6, rows  # 2 of 8 replayed
         assert loss > 0
     without = SFTSettings(steps=3, lr=1e-3, batch_size=8)
     with mock.patch("minigpt.rhymes.train_step", wraps=train_step) as step:
         supervised_steps(model, tok, tiny_rhymes(), without, replay=old_tasks())
     assert all("rhymes with: " in tok.decode(row.tolist())
-               for call in step.call_args_list for row in call.args[2][0].x)
+               for call in step.call_args_list for batch in call.args[2] for row in batch.x)
 
 
 def test_supervised_steps_learn_the_answers_are_seeded_and_keep_the_mode() -> None:

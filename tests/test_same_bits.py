@@ -1,15 +1,16 @@
 """The same bits on an Intel CPU as on an AMD one, proven under `qemu-user`'s emulated CPUs.
 
-`qemu-x86_64 -cpu MODEL` runs the project's venv as that CPU would: its instruction set and its
-CPUID, which is what MKL reads to choose its code paths. `tools/same_bits.py` takes one
+`qemu-x86_64 -cpu MODEL` runs the project's venv as that CPU would: its instruction set and
+its CPUID, which is what MKL reads to choose its code paths. `tools/same_bits.py` takes one
 optimiser step of each kind of training set-up runs (the book recipe, the modern recipe with
-Muon, SFT, DPO) and, with the cached book model's weights, a greedy sample and one forward
-pass's attention weights; it runs here natively, as an Intel CPU (Haswell) and as an AMD one
-(EPYC), and the three must print the same sha256s. Without MKL's strict reproducible mode
-(`MKL_CBWR=AVX2`, no `,STRICT`), the emulated Intel CPU computes other gradients: the last
-test shows that the first ones can fail. Emulation is some 60 times slower than the CPU, and
-more for Python code (importing PyTorch and what its optimisers import takes most of it): the
-runs are one step of two sequences each, about a minute of one core per emulated CPU.
+Muon, SFT, DPO, GRPO, rejection sampling) and, with the cached book model's weights, a
+greedy sample and one forward pass's attention weights; it runs here natively, as an Intel
+CPU (Haswell) and as an AMD one (EPYC), and the three must print the same sha256s. Without
+MKL's strict reproducible mode (`MKL_CBWR=AVX2`, no `,STRICT`), the emulated Intel CPU
+computes other gradients: the last test shows that the first ones can fail. Emulation is
+some 60 times slower than the CPU, and more for Python code (importing PyTorch and what its
+optimisers import takes most of it): the runs are one step of two sequences each, about a
+minute of one core per emulated CPU.
 
 `make test` installs Debian's `qemu-user` (`make system-deps`); on Linux x86-64 without it
 these tests fail and say so. Elsewhere (arm64, macOS, Windows) they do not apply.
@@ -45,7 +46,7 @@ QEMU = "qemu-x86_64"
 #: An Intel CPU and an AMD one, both AVX2 without AVX-512, as qemu-user names them.
 CPUS = ("Haswell", "EPYC")
 TOOL = ROOT / "tools" / "same_bits.py"
-TRAINING_KINDS = ("book", "modern", "sft", "dpo")
+TRAINING_KINDS = ("book", "modern", "sft", "dpo", "rhymes sft", "grpo", "rft")
 
 
 def _qemu() -> str:

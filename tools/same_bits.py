@@ -1,14 +1,15 @@
 """A few steps of every kind of training set-up runs, as sha256s: run it on two CPUs and compare.
 
-Set-up trains the book's models with four kinds of run: the book recipe (AdamW), the modern
-recipe (Muon), supervised fine-tuning of the modern model into an assistant, and DPO from that
-assistant. Each kind here takes a few optimiser steps of its recipe (its model, context,
-optimiser and schedule, but a small batch, on four plays, one thread), the next one
-continuing from the last as set-up's chain does, and prints the sha256 of the weights after
-it. A chapter-like check follows: with a trained model (``--model``: its weights, config and
-tokenizer, which `tests/test_same_bits.py` writes from the cached book model), a greedy
-sample, the sha256 of one forward pass's attention weights, and one weight as a chapter
-prints it.
+Set-up trains the book's models with six kinds of run: the book recipe (AdamW), the modern
+recipe (Muon), supervised fine-tuning of the modern model into an assistant, DPO from that
+assistant, and GRPO and rejection sampling from it (the rewards chapter's; its SFT runs are
+supervised steps like the assistant's). Each kind here takes a few optimiser steps of its
+recipe (its model, context, optimiser and schedule, but a small batch, on four plays, one
+thread), the next one continuing from the last as set-up's chain does, and prints the sha256
+of the weights after it. A chapter-like check follows: with a trained model (``--model``:
+its weights, config and tokenizer, which `tests/test_same_bits.py` writes from the cached
+book model), a greedy sample, the sha256 of one forward pass's attention weights, and one
+weight as a chapter prints it.
 
 Two CPUs that give the same lines train the same bits. `tests/test_same_bits.py` runs this
 natively and under `qemu-x86_64` as an Intel CPU (Haswell) and an AMD one (EPYC):
@@ -22,6 +23,7 @@ Output: one JSON object, name -> sha256 (or printed text), on stdout.
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import io
 import json
@@ -41,9 +43,13 @@ from minigpt.data import shakespeare_text, split_text
 from minigpt.decoding import generate
 from minigpt.dpo import make_pairs, train_dpo
 from minigpt.model import GPT
+from minigpt.optim import configure_optimizer
+from minigpt.rewards import REWARDS_RECIPE, coin
+from minigpt.rhymes import SFTSettings, Vocabulary, rhymes_tasks, supervised_steps
+from minigpt.rl import grpo_step, rft_step
 from minigpt.sft import finetune, text_windows
-from minigpt.tasks import make_tasks
-from minigpt.tokenizer import CharTokenizer, tokenizer_from_dict
+from minigpt.tasks import Task, make_tasks
+from minigpt.tokenizer import CharTokenizer, Tokenizer, tokenizer_from_dict
 from minigpt.train import train
 
 #: The plays the runs read (about 550,000 characters): enough for every task family, and
@@ -95,6 +101,34 @@ def training_runs(steps: int, batch_size: int) -> dict[str, str]:
     dpo, _ = train_dpo(sft.model, chat, make_pairs(tasks.train), make_pairs(tasks.test, seed=1),
                        dpo_config, beta=recipe.beta, progress=False)
     hashes["dpo"] = weights_sha256(dpo.model)
+    hashes |= reward_runs(sft.model, chat, tasks.train[:1], steps)
+    return hashes
+
+
+def reward_runs(model: GPT, chat: Tokenizer, old: list[Task], steps: int) -> dict[str, str]:
+    """``steps`` supervised steps on rhymes, GRPO steps and rejection-sampling steps from
+    ``model``, as the rewards chapter's runs take them (their settings, but GRPO's and
+    rejection sampling's four answers of at most four tokens to three questions, rewarded by
+    a seeded coin, `minigpt.rewards.coin`: a gradient whatever the tiny run samples, with
+    this seed groups whose coins differ)."""
+    rhymes = rhymes_tasks(["night", "light"], Vocabulary({"night": 3, "light": 3, "might": 3}),
+                          teacher="frequent")
+    settings = REWARDS_RECIPE.grpo.model_copy(update={"group_size": 4, "max_new_tokens": 4})
+    hashes = {}
+    policy = copy.deepcopy(model)  # the cold start's and the SFT runs' steps: 8 short answers
+    supervised_steps(policy, chat, rhymes * 4, SFTSettings(
+        steps=steps, lr=REWARDS_RECIPE.lr["sft-random"], batch_size=8, replay_fraction=0.25),
+        replay=old)
+    hashes["rhymes sft"] = weights_sha256(policy)
+    for kind, step in (("grpo", grpo_step), ("rft", rft_step)):
+        policy = copy.deepcopy(model)
+        optimizer = configure_optimizer(policy, lr=REWARDS_RECIPE.lr[kind], weight_decay=0.0)
+        generator = torch.Generator().manual_seed(0)
+        reward = coin(torch.Generator().manual_seed(1))
+        for _ in range(steps):
+            step(policy, optimizer, chat, rhymes + old, settings, generator=generator,
+                 reward=reward)
+        hashes[kind] = weights_sha256(policy)
     return hashes
 
 

@@ -15,6 +15,7 @@ final exact match and writes. A bad input is one line on stderr: exit 2 for a us
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -27,11 +28,11 @@ import torch
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 from tqdm import tqdm
 
-from minigpt import assets, assistant, catalogue, data, parallel, pretrained
+from minigpt import assets, assistant, catalogue, data, parallel, pretrained, rewards
 from minigpt.assistant import ASSISTANT_RECIPE
 from minigpt.bpe import DEFAULT_BPE_VOCAB_SIZE, get_tokenizer
 from minigpt.chat import chat_loop
-from minigpt.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from minigpt.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
 from minigpt.config import GPTConfig, TrainConfig
 from minigpt.dpo import DPO_TRAINING, make_pairs, train_dpo
 from minigpt.evals import benchmark_table, format_table
@@ -82,8 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m minigpt", epilog="`python -m minigpt COMMAND --help` lists a command's "
         "options.", description="Train GPTs, sample, fine-tune, chat, evaluate, set up the book.")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
-    for add in (add_train, add_sample, add_sft, add_dpo, add_chat, add_eval, add_assets,
-                add_pretrained):
+    for add in (add_train, add_sample, add_sft, add_dpo, add_rl, add_chat, add_eval,
+                add_assets, add_pretrained):
         add(commands)
     return parser
 
@@ -633,6 +634,75 @@ def dpo_command(given: dict[str, Any], argv: list[str]) -> int:
         if ctx.is_main:
             _write(s.out, result.metrics | {"beta": s.beta, "exact_match": exact_match(
                 result.model, tokenizer, tasks.test)})
+    return 0
+
+
+# ----------------------------------------------------------------------------------- rl
+
+def add_rl(commands: Commands) -> None:
+    p = add_command(commands, "rl", rl_command, "continue a chat model on rhymes with GRPO "
+                    "(or another method of the rewards chapter), on the CPU")
+    start = p.add_mutually_exclusive_group()
+    start.add_argument("--checkpoint", type=Path, help="a run's folder (its checkpoint.pt)")
+    start.add_argument("--model", help=f"a cached model: {catalogue.names()} (default: "
+                       f"{default(RlSettings, 'model')}, the cold start)")
+    p.add_argument("--method", choices=rewards.METHODS,
+                   help=f"how to continue (default: {default(RlSettings, 'method')})")
+    p.add_argument("--steps", type=int, help="optimiser steps (default: the method's in "
+                   "minigpt.rewards.STEPS)")
+    p.add_argument("--lr", type=float, help="AdamW's constant rate (default: the method's "
+                   "in minigpt.rewards.LR)")
+    p.add_argument("--seed", type=int, help="questions drawn and answers sampled (default: "
+                   f"{default(RlSettings, 'seed')})")
+    p.add_argument("--out", type=Path, required=True,
+                   help="folder for checkpoint.pt and metrics.json")
+    p.add_argument("--threads", type=int, help="torch threads (default: PyTorch's)")
+
+
+class RlSettings(BaseModel):
+    """A rewards run (`minigpt.rewards.continue_training`) from a chat model: the cold start
+    by default. The CPU only: its sampling generators live there."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    checkpoint: Path | None = None
+    model: ModelName = "rl-cold"
+    method: rewards.Method = "grpo"
+    steps: int | None = Field(None, ge=1)
+    lr: float | None = Field(None, gt=0, allow_inf_nan=False)
+    seed: int = Field(0, ge=0)
+    out: Path
+    threads: int | None = Field(None, ge=1)
+
+
+def rl_command(given: dict[str, Any], argv: list[str]) -> int:
+    s = RlSettings(**given)
+    with _threads(s.threads):
+        model, tokenizer, name = load_any(ModelSettings(checkpoint=s.checkpoint, model=s.model))
+        require_chat(tokenizer, name)
+        data = rewards.rewards_data()
+        start = copy.deepcopy(model)
+        print(f"continuing {name} with {s.method} ({s.steps or rewards.STEPS[s.method]} steps)")
+        history = rewards.continue_training(model, tokenizer, s.method, data, seed=s.seed,
+                                            steps=s.steps, lr=s.lr)
+        evaluation = rewards.evaluate_run(model, start, tokenizer, data, seed=s.seed)
+    steps = s.steps or rewards.STEPS[s.method]
+    config = TrainConfig(max_steps=steps, lr=s.lr or rewards.LR[s.method], seed=s.seed)
+    s.out.mkdir(parents=True, exist_ok=True)
+    # A rewards run is not resumed: its checkpoint holds the model, not the optimiser.
+    save_checkpoint(s.out / CHECKPOINT_NAME, {
+        "model": model.state_dict(), "optimizer": {}, "model_config": model.config.model_dump(),
+        "train_config": config.model_dump(), "tokenizer": tokenizer.to_dict(), "step": steps,
+        "rng": {}, "history": history, "world_size": 1})
+    numbers = {k: v for k, v in evaluation.items()
+               if k not in ("words", "answers", "greedy_answers")}
+    atomic_write(s.out / METRICS_NAME, (json.dumps({"method": s.method, "start": name} | numbers
+                                                   | {"history": history}, indent=1)
+                                        + "\n").encode())
+    print(f"held-out rhymes: pass@1 {numbers['pass@1']:.3f}, pass@8 {numbers['pass@8']:.3f}, "
+          f"greedy {numbers['greedy']:.3f}; older families' exact match "
+          f"{json.dumps({f: round(v, 3) for f, v in numbers['old_exact_match'].items()})}")
+    print(f"wrote {s.out / CHECKPOINT_NAME} and {s.out / METRICS_NAME}")
     return 0
 
 
