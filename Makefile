@@ -109,8 +109,8 @@ ifeq ($(shell test $(NPROC) -ge 4 2>/dev/null && echo many),many)
 MODEL_LANES := "book draft dpo-beta0.1 dpo-beta2 $(RFT_RUNS)" "modern sft-0 rl-cold dpo $(COIN_RUNS)" \
 	"sft-1 $(GRPO_RUNS)" "sft-2 $(SFT_RUNS)"
 else
-MODEL_LANES := "book draft sft-2 dpo-beta0.1 dpo-beta2 $(GRPO_RUNS) $(RFT_RUNS)" \
-	"modern sft-0 rl-cold sft-1 dpo $(SFT_RUNS) $(COIN_RUNS)"
+MODEL_LANES := "book draft sft-2 dpo-beta0.1 dpo-beta2 $(GRPO_RUNS) $(RFT_RUNS) rl-grpo-coin-2" \
+	"modern sft-0 rl-cold sft-1 dpo $(SFT_RUNS) rl-grpo-coin-0 rl-grpo-coin-1"
 endif
 # $(call train_lanes,COMMAND): every lane in the background, COMMAND after the first lane's
 # models; fails if any lane or COMMAND failed.
