@@ -61,19 +61,22 @@ def main(argv: list[str] | None = None) -> int:
     start, tok, _ = rewards.cold_model()
     data = rewards_data()
     if args.validation:  # as many held-out words again, none of the chapter's
-        rest = [t for t in data.rhymes.test if t not in set(data.eval_rhymes)]
+        chapter = set(data.eval_rhymes)
+        rest = [t for t in data.rhymes.test if t not in chapter]
         data = replace(data, eval_rhymes=random.Random(4321).sample(rest, len(data.eval_rhymes)))
+    cold = args.method == "cold"
+    # the cold start is trained already; a method takes the recipe's steps and rate unless told
+    steps = 0 if cold else args.steps or REWARDS_RECIPE.steps[args.method]
+    lr = None if cold else args.lr or REWARDS_RECIPE.lr[args.method]
     model = copy.deepcopy(start)
     seconds = cpu = 0.0
     history: dict[str, list[float]] = {}
-    if args.method != "cold":
+    if not cold:
         t0, c0 = time.perf_counter(), time.process_time()
         history = continue_training(model, tok, args.method, data, seed=args.seed,
-                                    steps=args.steps, lr=args.lr)
+                                    steps=steps, lr=lr)
         seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     ev = evaluate_run(model, start, tok, data, seed=args.seed)
-    steps = 0 if args.method == "cold" else args.steps or REWARDS_RECIPE.steps[args.method]
-    lr = None if args.method == "cold" else args.lr or REWARDS_RECIPE.lr[args.method]
     numbers = {k: v for k, v in ev.items() if k not in ("words", "answers", "greedy_answers")}
     row = {"method": args.method, "seed": args.seed, "validation": args.validation,
            "steps": steps, "lr": lr, "seconds": round(seconds, 1), "cpu_seconds": round(cpu, 1),

@@ -677,17 +677,19 @@ class RlSettings(BaseModel):
 
 def rl_command(given: dict[str, Any], argv: list[str]) -> int:
     s = RlSettings(**given)
+    recipe = rewards.REWARDS_RECIPE
+    steps = recipe.steps[s.method] if s.steps is None else s.steps
+    lr = recipe.lr[s.method] if s.lr is None else s.lr
     with _threads(s.threads):
         model, tokenizer, name = load_any(ModelSettings(checkpoint=s.checkpoint, model=s.model))
         require_chat(tokenizer, name)
-        data = rewards.rewards_data()
+        data = rewards.rewards_data(recipe)
         start = copy.deepcopy(model)
-        print(f"continuing {name} with {s.method} ({s.steps or rewards.STEPS[s.method]} steps)")
-        history = rewards.continue_training(model, tokenizer, s.method, data, seed=s.seed,
-                                            steps=s.steps, lr=s.lr)
-        evaluation = rewards.evaluate_run(model, start, tokenizer, data, seed=s.seed)
-    steps = s.steps or rewards.STEPS[s.method]
-    config = TrainConfig(max_steps=steps, lr=s.lr or rewards.LR[s.method], seed=s.seed)
+        print(f"continuing {name} with {s.method} ({steps} steps)")
+        history = rewards.continue_training(model, tokenizer, s.method, data, recipe,
+                                            seed=s.seed, steps=steps, lr=lr)
+        evaluation = rewards.evaluate_run(model, start, tokenizer, data, recipe, seed=s.seed)
+    config = TrainConfig(max_steps=steps, lr=lr, seed=s.seed)
     s.out.mkdir(parents=True, exist_ok=True)
     # A rewards run is not resumed: its checkpoint holds the model, not the optimiser.
     save_checkpoint(s.out / CHECKPOINT_NAME, {
