@@ -443,13 +443,15 @@ def grpo_step(policy: GPT, optimizer: Optimizer, tokenizer: Tokenizer, tasks: Se
 
 # ------------------------------------------------------------- the same bits on every CPU
 
-#: The token counts of a micro-batch (B x L, the inner dimension of every weight gradient's
-#: matrix product) at which MKL's code for Intel CPUs (the AVX2 branch of its reproducible
-#: mode) and its code for other x86-64 CPUs sum the products in different orders, so that a
-#: seeded step trains other bits on an Intel CPU than on an AMD one. Measured with MKL
-#: 2024.0 under `qemu-x86_64` (Haswell against this AMD EPYC): every count from 193 to 257
-#: and the odd ones from 259 to 383 differ; no other from 1 to 1,099 (and 4,000, 7,777),
-#: for five weight shapes of the book's models.
+#: The inner dimensions of a matrix product at which MKL's code for Intel CPUs (the AVX2
+#: branch of its reproducible mode) and its code for other x86-64 CPUs sum in different
+#: orders, so that a seeded step trains other bits on an Intel CPU than on an AMD one: as the
+#: token count of a micro-batch (B x L, the inner dimension of every weight gradient's
+#: product), and as a layer's width (its input's in the forward pass, its output's in the
+#: backward). Measured with MKL 2024.0 under `qemu-x86_64` (Haswell against this AMD EPYC):
+#: every count from 193 to 257 and the odd ones from 259 to 383 differ; no other from 1 to
+#: 1,099 (and 4,000, 7,777), for five weight shapes of the book's models; an MLP 256 wide
+#: differs too. `tests/test_reproducible.py` checks that no cached model has such a width.
 SPLIT_TOKENS = range(193, 384)
 
 
