@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 
-from minigpt import assistant, catalogue, pretrained, rewards
+from minigpt import assistant, catalogue, interp, pretrained, rewards
 from minigpt.assets import MissingAssetError
 from minigpt.cli import main
 from minigpt.config import TrainConfig
@@ -253,6 +253,7 @@ def test_the_command_has_help(capsys):
     ("minigpt.pretrained", pretrained.TRAINING_MODULES),
     ("minigpt.assistant", assistant.ASSISTANT_MODULES),
     ("minigpt.rewards", rewards.REWARDS_MODULES),
+    ("minigpt.interp", interp.COPIER_MODULES),
 ])
 def test_the_cache_key_hashes_every_module_that_trains(module: str,
                                                        listed: tuple[str, ...]) -> None:

@@ -46,7 +46,7 @@ QEMU = "qemu-x86_64"
 #: An Intel CPU and an AMD one, both AVX2 without AVX-512, as qemu-user names them.
 CPUS = ("Haswell", "EPYC")
 TOOL = ROOT / "tools" / "same_bits.py"
-TRAINING_KINDS = ("book", "modern", "sft", "dpo", "rhymes sft", "grpo", "rft")
+TRAINING_KINDS = ("book", "modern", "sft", "dpo", "rhymes sft", "grpo", "rft", "copier")
 
 
 def _qemu() -> str:

@@ -1,9 +1,10 @@
 """A few steps of every kind of training set-up runs, as sha256s: run it on two CPUs and compare.
 
-Set-up trains the book's models with six kinds of run: the book recipe (AdamW), the modern
+Set-up trains the book's models with seven kinds of run: the book recipe (AdamW), the modern
 recipe (Muon), supervised fine-tuning of the modern model into an assistant, DPO from that
-assistant, and GRPO and rejection sampling from it (the rewards chapter's; its SFT runs are
-supervised steps like the assistant's). Each kind here takes a few optimiser steps of its
+assistant, GRPO and rejection sampling from it (the rewards chapter's; its SFT runs are
+supervised steps like the assistant's), and the inside-the-model chapter's copiers (their
+own batch of repeated rows). Each kind here takes a few optimiser steps of its
 recipe (its model, context, optimiser and schedule, but a small batch, on four plays, one
 thread), the next one continuing from the last as set-up's chain does, and prints the sha256
 of the weights after it. A chapter-like check follows: with a trained model (``--model``:
@@ -42,6 +43,7 @@ from minigpt.config import GPTConfig
 from minigpt.data import shakespeare_text, split_text
 from minigpt.decoding import generate
 from minigpt.dpo import make_pairs, train_dpo
+from minigpt.interp import RECIPES, train_copier
 from minigpt.model import GPT
 from minigpt.optim import configure_optimizer
 from minigpt.rewards import REWARDS_RECIPE, coin
@@ -82,7 +84,8 @@ def training_runs(steps: int, batch_size: int) -> dict[str, str]:
                  batch_size=batch_size)
     hashes: dict[str, str] = {}
     models: dict[str, GPT] = {}
-    recipes = {"book": pretrained.BOOK_RECIPE, "modern": pretrained.MODERN_RECIPE}
+    recipes = {"book": pretrained.BOOK_RECIPE, "draft": pretrained.DRAFT_RECIPE,
+               "modern": pretrained.MODERN_RECIPE}
     for name, recipe in recipes.items():
         config = recipe.training.model_copy(update=short)
         result = train(recipe.gpt_config(tokenizer.vocab_size), config, train_ids, val_ids,
@@ -102,6 +105,9 @@ def training_runs(steps: int, batch_size: int) -> dict[str, str]:
                        dpo_config, beta=recipe.beta, progress=False)
     hashes["dpo"] = weights_sha256(dpo.model)
     hashes |= reward_runs(sft.model, chat, tasks.train[:1], steps)
+    copier = RECIPES["copy-0"].model_copy(update=dict(steps=steps, snapshot_every=steps,
+                                                      probe_rows=2))
+    hashes["copier"] = weights_sha256(train_copier(copier, text)[0])
     return hashes
 
 

@@ -1,16 +1,18 @@
 """Every model set-up trains and caches, by name (`python -m minigpt pretrained --only NAME`).
 
 The pre-trained models (`minigpt.pretrained.MODELS`: the book model, its draft, the modern
-model), the assistants made from the modern model (`minigpt.assistant.MODELS`) and the
-rewards chapter's runs (`minigpt.rewards.MODELS`: the cold start on rhymes and ``rl-METHOD-SEED``).
+model), the assistants made from the modern model (`minigpt.assistant.MODELS`), the
+rewards chapter's runs (`minigpt.rewards.MODELS`: the cold start on rhymes and
+``rl-METHOD-SEED``) and the small models trained where copying pays (`minigpt.interp.MODELS`).
 ``rl`` names the run that ``chat --model rl`` talks to: GRPO, seed 0.
 """
 
 from __future__ import annotations
 
-from minigpt import assistant, pretrained, rewards
+from minigpt import assistant, interp, pretrained, rewards
 
-MODELS: dict[str, pretrained.Loader] = {**assistant.MODELS, **rewards.MODELS}
+MODELS: dict[str, pretrained.Loader] = {**assistant.MODELS, **rewards.MODELS,
+                                        **interp.MODELS}
 #: Other names of cached models: ``rl`` is the GRPO run of seed 0.
 ALIASES = {"rl": "rl-grpo-0"}
 
@@ -35,8 +37,11 @@ def train_seconds(info: pretrained.ModelInfo) -> float:
 
 def summary(info: pretrained.ModelInfo) -> str:
     """What a cached model's manifest says of its quality, in a few words: a pre-trained or
-    tuned model's validation loss, a rewards run's held-out pass@1 on rhymes."""
+    tuned model's validation loss, a copier's best induction score, a rewards run's held-out pass@1
+    on rhymes."""
     metrics = info.metrics
     if "final_val_loss" in metrics:
         return f"validation loss {metrics['final_val_loss']:.3f}"
+    if "induction" in metrics:
+        return f"best induction score {metrics['induction']:.2f}"
     return f"held-out rhymes pass@1 {metrics['evaluation']['pass@1']:.3f}"

@@ -261,6 +261,81 @@ def attention_explorer(maps: Sequence[Any], tokens: Sequence[str]) -> Interactiv
                     f"hovering a cell shows its query, key and weight.")
 
 
+def induction_explorer(steps: Sequence[int], scores: Any, patterns: Any,
+                       tokens: Sequence[str], head: tuple[int, int]) -> InteractiveChart:
+    """A model's heads as it trains, one snapshot at a time chosen by a slider: every head's
+    induction score as a layer x head grid, beside one head's attention on a repeated row.
+
+    Args:
+        steps: the S snapshots' training steps.
+        scores: (S, L, H) induction scores (`minigpt.interp.head_scores`).
+        patterns: (S, T, T) the attention weights of ``head`` on the row at each snapshot.
+        tokens: the T tokens of the row.
+        head: (layer, head) whose attention is shown.
+    """
+    import altair as alt
+
+    grid, maps = as_float64(scores), as_float64(patterns)
+    if grid.ndim != 3 or maps.ndim != 3 or maps.shape[1] != maps.shape[2] or not (
+            len(steps) == len(grid) == len(maps)):
+        raise ValueError(f"need S steps, (S, L, H) scores and (S, T, T) patterns; got "
+                         f"{len(steps)} steps, scores {grid.shape}, patterns {maps.shape}")
+    length = maps.shape[1]
+    if len(tokens) != length:
+        raise ValueError(f"got {len(tokens)} tokens for patterns of T={length} positions")
+    shown = [display_token(t) for t in tokens]
+    cells = [{"snap": i, "layer": f"layer {li}", "head": f"head {h}",
+              "score": round(float(grid[i, li, h]), 2)}
+             for i in range(len(steps)) for li in range(grid.shape[1])
+             for h in range(grid.shape[2])]
+    # Weights in thousandths, the causal half only: compact and stable.
+    rows = [{"snap": i, "query": q, "w": np.rint(maps[i, q, :q + 1] * 1000).astype(int).tolist()}
+            for i in range(len(steps)) for q in range(length)]
+    snap = alt.param(name="snapshot", value=len(steps) - 1, bind=alt.binding_range(
+        min=0, max=len(steps) - 1, step=1, name="snapshot:"))
+    names = alt.param(name="tokens", value=shown)
+    stepped = alt.param(name="steps", value=list(steps))
+    heads = (alt.Chart(alt.InlineData(values=cells))
+             .transform_filter("datum.snap == snapshot")
+             .encode(x=alt.X("head:N", title=None, axis=alt.Axis(labelAngle=0)),
+                     y=alt.Y("layer:N", title=None))
+             .properties(width=55 * grid.shape[2], height=55 * grid.shape[1],
+                         title=alt.TitleParams(
+                             alt.ExprRef("'induction scores at step ' + steps[snapshot]"))))
+    board = (heads.mark_rect().encode(color=alt.Color(
+                 "score:Q", scale=alt.Scale(scheme="viridis", domain=[0, 1]),
+                 title="score"))
+             + heads.mark_text(fontSize=13).encode(
+                 text=alt.Text("score:Q", format=".2f"),
+                 color=alt.condition("datum.score > 0.5", alt.value("black"),
+                                     alt.value("white"))))
+    label = "tokens[datum.value]"
+    attention = (alt.Chart(alt.InlineData(values=rows))
+                 .transform_filter("datum.snap == snapshot")
+                 .transform_flatten(["w"], as_=["thousandths"])
+                 .transform_window(index="row_number()", groupby=["query"])
+                 .transform_calculate(key="datum.index - 1", weight="datum.thousandths / 1000")
+                 .mark_rect()
+                 .encode(x=alt.X("key:O", title="key", axis=alt.Axis(
+                             labelExpr=label, labelAngle=0, orient="top")),
+                         y=alt.Y("query:O", title="query", axis=alt.Axis(labelExpr=label)),
+                         color=alt.Color("weight:Q", scale=alt.Scale(scheme="viridis",
+                                                                     domain=[0, 1]),
+                                         legend=None),
+                         tooltip=[alt.Tooltip("query:O"), alt.Tooltip("key:O"),
+                                  alt.Tooltip("weight:Q", format=".3f")])
+                 .properties(width=12 * length, height=12 * length,
+                             title=f"attention of layer {head[0]}, head {head[1]}"))
+    chart = alt.hconcat(board, attention).add_params(snap, names, stepped)
+    return interactive_chart(
+        chart, "induction-explorer",
+        description=f"Left, a grid of the induction scores of the {grid.shape[1]} x "
+                    f"{grid.shape[2]} heads of a small model; right, the attention weights "
+                    f"of layer {head[0]}, head {head[1]} on a held-out stretch written twice "
+                    f"(rows are queries, columns keys). A slider picks one of {len(steps)} "
+                    f"snapshots, from step {steps[0]} to step {steps[-1]} of training.")
+
+
 def _rotation_layers(length: int, width: int, base: float) -> list[Any]:
     """One panel's layers: the unit circle, P[p] and its spoke, P[p] rotated by omega_i k
     with its spoke and angle, and the ring around P[p + k]."""
