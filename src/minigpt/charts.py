@@ -298,17 +298,17 @@ def induction_explorer(steps: Sequence[int], scores: Any, patterns: Any,
     heads = (alt.Chart(alt.InlineData(values=cells))
              .transform_filter("datum.snap == snapshot")
              .encode(x=alt.X("head:N", title=None, axis=alt.Axis(labelAngle=0)),
-                     y=alt.Y("layer:N", title=None))
-             .properties(width=55 * grid.shape[2], height=55 * grid.shape[1],
-                         title=alt.TitleParams(
-                             alt.ExprRef("'induction scores at step ' + steps[snapshot]"))))
-    board = (heads.mark_rect().encode(color=alt.Color(
-                 "score:Q", scale=alt.Scale(scheme="viridis", domain=[0, 1]),
-                 title="score"))
-             + heads.mark_text(fontSize=13).encode(
-                 text=alt.Text("score:Q", format=".2f"),
-                 color=alt.condition("datum.score > 0.5", alt.value("black"),
-                                     alt.value("white"))))
+                     y=alt.Y("layer:N", title=None)))
+    board = alt.layer(
+        heads.mark_rect().encode(color=alt.Color(
+            "score:Q", scale=alt.Scale(scheme="viridis", domain=[0, 1]), title="score"))
+        .properties(name="grid"),
+        heads.mark_text(fontSize=13).encode(
+            text=alt.Text("score:Q", format=".2f"),
+            color=alt.condition("datum.score > 0.5", alt.value("black"), alt.value("white"))),
+    ).properties(width=55 * grid.shape[2], height=55 * grid.shape[1],
+                 title=alt.TitleParams(
+                     alt.ExprRef("'induction scores at step ' + steps[snapshot]")))
     label = "tokens[datum.value]"
     attention = (alt.Chart(alt.InlineData(values=rows))
                  .transform_filter("datum.snap == snapshot")
@@ -324,7 +324,7 @@ def induction_explorer(steps: Sequence[int], scores: Any, patterns: Any,
                                          legend=None),
                          tooltip=[alt.Tooltip("query:O"), alt.Tooltip("key:O"),
                                   alt.Tooltip("weight:Q", format=".3f")])
-                 .properties(width=12 * length, height=12 * length,
+                 .properties(name="pattern", width=12 * length, height=12 * length,
                              title=f"attention of layer {head[0]}, head {head[1]}"))
     chart = alt.hconcat(board, attention).add_params(snap, names, stepped)
     return interactive_chart(

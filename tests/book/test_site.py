@@ -666,7 +666,7 @@ CHART_ID = re.compile(r'<div class="minigpt-chart" id="minigpt-chart-([a-z0-9-]+
 # Every interactive figure of the book, and the page that shows it.
 CHARTS = {"sampling-explorer": "book/sampling", "attention-explorer": "book/attention_heatmaps",
           "rotation-explorer": "book/positional_encodings",
-          "training-explorer": "book/training"}
+          "training-explorer": "book/training", "induction-explorer": "book/induction_heads"}
 JS_BUDGET = 1_000_000  # bytes of vega, vega-lite and vega-embed served (830 kB with 6.4.0)
 
 
@@ -914,6 +914,32 @@ def test_rotation_sliders_land_on_the_encoding(driver: Any, base_url: str) -> No
             points.append((rotated["rot_cos"], rotated["rot_sin"]))
         assert points != drawn_before
         drawn_before = points
+
+
+@pytest.mark.browser
+def test_induction_slider_shows_each_snapshot_of_the_copier(driver: Any, base_url: str) -> None:
+    from minigpt.interp import RECIPES, copier
+
+    history = copier(RECIPES["copy-0"])[2].manifest["history"]
+    chart = "induction-explorer"
+    _chart_page(driver, base_url, chart)
+    drawn_before = None
+    for snapshot in (len(history["step"]) - 1, 0, 20, 33):
+        _slide(driver, chart, "snapshot", snapshot)
+        grid = {(d["layer"], d["head"]): d["score"]
+                for d in driver.execute_script(_DRAWN, chart, "grid")}
+        expected = {(f"layer {layer}", f"head {head}"): round(score, 2)
+                    for layer, row in enumerate(history["induction"][snapshot])
+                    for head, score in enumerate(row)}
+        assert grid == pytest.approx(expected, abs=1e-9)
+        weights = {(d["query"], d["key"]): d["weight"]
+                   for d in driver.execute_script(_DRAWN, chart, "pattern")}
+        pattern = history["pattern"][snapshot]
+        assert len(weights) == len(pattern) * (len(pattern) + 1) // 2  # the causal half
+        for (query, key), weight in weights.items():
+            assert weight == pytest.approx(pattern[query][key], abs=6e-4)
+        assert weights != drawn_before
+        drawn_before = weights
 
 
 @pytest.mark.browser
