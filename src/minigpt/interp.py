@@ -41,7 +41,8 @@ from torch import Tensor
 from minigpt import pretrained
 from minigpt.attention import attention_mass
 from minigpt.config import GPTConfig
-from minigpt.data import Batch, split_text
+from minigpt.data import Batch, get_batch, split_text
+from minigpt.losses import lm_loss
 from minigpt.model import GPT
 from minigpt.nn import Block
 from minigpt.optim import configure_optimizer
@@ -133,17 +134,6 @@ def copy_losses(model: GPT, rows: Tensor) -> CopyLosses:
         logits = model(rows[:, :-1])
     nll = F.cross_entropy(logits.transpose(1, 2), rows[:, 1:], reduction="none").mean(0)
     return CopyLosses(nll, float(nll[:half - 1].mean()), float(nll[half:].mean()))
-
-
-def text_loss(model: GPT, ids: Tensor, windows: int, generator: torch.Generator) -> float:
-    """Mean next-token cross-entropy (nats) on ``windows`` random windows of ``ids`` that fill
-    the context: plain text, nothing repeated on purpose."""
-    T = model.config.context_length
-    starts = torch.randint(0, len(ids) - T, (windows,), generator=generator)
-    rows = ids[starts[:, None] + torch.arange(T + 1)]
-    with torch.no_grad():
-        logits = model(rows[:, :-1])
-    return float(F.cross_entropy(logits.transpose(1, 2), rows[:, 1:]))
 
 
 # ----------------------------------------------------------------------- ablation
@@ -537,7 +527,10 @@ def train_copier(recipe: CopyRecipe, text: str) -> Built:
         final = Scores(torch.tensor(history["induction"][-1]),
                        torch.tensor(history["previous"][-1]))
         history |= _patterns(model, snapshots, final.top(), val_ids, tokenizer)
-        plain = text_loss(model, val_ids, 64, torch.Generator().manual_seed(PROBE_SEED))
+        plain_x, plain_y = get_batch(val_ids.numpy(), 64, config.context_length,
+                                     generator=torch.Generator().manual_seed(PROBE_SEED))
+        with torch.no_grad():  # plain held-out text, nothing repeated on purpose
+            plain = float(lm_loss(model, plain_x, plain_y))
     crossed = [s for s, grid in zip(history["step"], history["induction"], strict=True)
                if max(map(max, grid)) >= 0.5]
     metrics = {"first": history["first"][-1], "second": history["second"][-1],
