@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
+from minigpt import products
 from minigpt.attention import (
     MultiHeadAttention,
     attention_mass,
@@ -115,6 +116,12 @@ def test_multi_head_fast_path_matches_explicit(causal):
     assert torch.allclose(fast, slow, atol=1e-5)
     attention.use_fused = False
     assert torch.allclose(attention(x)[0], slow, atol=0)
+    # PyTorch's fused kernel computes the same function as the explicit path, which is what
+    # a CPU runs under the package's products (minigpt.products.computes).
+    q, k, v = (split_heads(t, 4) for t in attention.c_attn(x).split(16, dim=-1))
+    fused = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    assert torch.allclose(attention.c_proj(merge_heads(fused)), slow, atol=1e-5)
+    assert products.computes(x) == (products.mode() != "native")
 
 
 def test_multi_head_asserts_a_width_the_heads_share():

@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 
-from minigpt import assistant, catalogue, interp, pretrained, rewards
+from minigpt import assistant, catalogue, interp, pretrained, products, rewards
 from minigpt.assets import MissingAssetError
 from minigpt.cli import main
 from minigpt.config import TrainConfig
@@ -60,6 +60,11 @@ def test_build_writes_weights_and_a_manifest_with_their_hash(tmp_cache):
     assert manifest["weights_sha256"] == pretrained.sha256_file(info.path / WEIGHTS_NAME)
     assert manifest["metrics"]["steps"] == 10
     assert manifest["key_material"]["train_config"]["seed"] == 0
+    # The census of the products training computed (minigpt.products), on the recipe's one
+    # thread: the linear layers' and their gradients' (mm), attention's (bmm).
+    if products.mode() != "native":
+        assert {entry[0] for entry in manifest["products"]} == {"mm", "bmm"}
+        assert {entry[8] for entry in manifest["products"]} == {1}
     # Nothing half-written is left behind.
     assert sorted(p.name for p in info.path.iterdir()) == [MANIFEST_NAME, WEIGHTS_NAME]
 

@@ -22,7 +22,6 @@ from helpers import ROOT, load_baseline_tool
 
 import minigpt
 from minigpt import catalogue, pretrained
-from minigpt.rl import SPLIT_TOKENS
 
 KERNEL_VARIABLES = sorted(minigpt.PINNED_CPU_KERNELS)
 LINUX_X86_64 = sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64")
@@ -65,6 +64,8 @@ def test_the_cache_key_records_the_kernels() -> None:
     assert material["kernel_settings"] == {"MKL_CBWR": os.environ["MKL_CBWR"],
                                            "ONEDNN_MAX_CPU_ISA": os.environ["ONEDNN_MAX_CPU_ISA"]}
     assert os.environ["MKL_CBWR"] == "AVX2,STRICT"
+    # and how the products were summed (minigpt.products).
+    assert material["products"] == "blocks of 192"
 
 
 @pytest.mark.skipif(not LINUX_X86_64, reason="the stored sha256 are those of PyTorch's Linux "
@@ -75,19 +76,3 @@ def test_set_up_trained_the_stored_models_bit_for_bit() -> None:
     stored = json.loads((ROOT / "tests/notebooks/models.json").read_text(encoding="utf-8"))
     assert sorted(stored) == sorted(catalogue.MODELS)
     assert load_baseline_tool().model_hashes() == stored
-
-
-def test_no_cached_model_has_a_width_where_intel_and_amd_cpus_part() -> None:
-    # A layer whose input or output width lies in SPLIT_TOKENS is a matrix product whose
-    # inner dimension MKL sums in another order on an Intel CPU than on an AMD one (in the
-    # forward pass, or in the backward's input gradient): such a model trains other bits on
-    # each. tests/test_same_bits.py proves a few steps of every recipe under both CPUs; this
-    # covers every width of every model set-up trains.
-    widths = {}
-    for name, load in catalogue.MODELS.items():
-        model = load()[0]
-        for layer, module in model.named_modules():
-            if isinstance(module, torch.nn.Linear):
-                widths[name, layer] = (module.in_features, module.out_features)
-    parting = {k: v for k, v in widths.items() if set(v) & set(SPLIT_TOKENS)}
-    assert not parting, f"widths at which Intel and AMD CPUs compute other bits: {parting}"

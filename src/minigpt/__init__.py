@@ -14,19 +14,25 @@ import os
 #: kernels add up numbers in another order than AVX2 ones, and the trained weights then
 #: differ in their last bits, then in their samples. Pinned to AVX2, the widest set that
 #: nearly every x86-64 CPU of the last ten years has. MKL also chooses its code path by the
-#: CPU's vendor: with AVX2 alone an Intel CPU trains other bits than an AMD one, and
-#: ",STRICT" (its strict conditional-reproducibility mode) makes them agree
-#: (tests/test_same_bits.py proves it under emulated Intel and AMD CPUs). What the pins cost
-#: is measured in the README ("What reproduces where"). Each is read once, at the first
-#: operation torch runs, so they are set here, before minigpt imports torch; a value already
-#: in the environment wins (set ATEN_CPU_CAPABILITY=avx512 MKL_CBWR=AUTO for speed over
-#: reproducibility). Other architectures (arm64) ignore them.
+#: CPU's vendor: ",STRICT" (its strict conditional-reproducibility mode) makes every Intel CPU
+#: take the same AVX2 path; an AMD CPU still takes another branch for some shapes, which the
+#: package never hands MKL (`minigpt.products`, installed below; tests/test_same_bits.py
+#: replays every product the book computes under emulated Intel and AMD CPUs). What the pins
+#: and the products cost is measured in the README ("What reproduces where"). Each pin is read
+#: once, at the first operation torch runs, so they are set here, before minigpt imports
+#: torch; a value already in the environment wins (set ATEN_CPU_CAPABILITY=avx512
+#: MKL_CBWR=AUTO MINIGPT_PRODUCTS=native for speed over reproducibility). Other
+#: architectures (arm64) ignore them.
 PINNED_CPU_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2,STRICT",
                       "ONEDNN_MAX_CPU_ISA": "AVX2"}
 for _name, _value in PINNED_CPU_KERNELS.items():
     os.environ.setdefault(_name, _value)
 
-from minigpt.config import GPTConfig, seed_all  # noqa: E402  (after the kernels are pinned)
+from minigpt import products  # noqa: E402  (after the kernels are pinned)
+
+products.install()  # every matrix product summed in one order on every CPU (minigpt.products)
+
+from minigpt.config import GPTConfig, seed_all  # noqa: E402
 from minigpt.decoding import beam_search, generate  # noqa: E402
 from minigpt.model import GPT  # noqa: E402
 

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from minigpt import products
+
 # ----------------------------------------------------------------------------------
 # Scaled dot-product attention
 # ----------------------------------------------------------------------------------
@@ -208,7 +210,9 @@ class MultiHeadAttention(nn.Module):
     (B, H, T, T).
 
     ``use_fused`` picks PyTorch's `scaled_dot_product_attention` kernel when
-    the weights are not asked for; both paths compute the same numbers.
+    the weights are not asked for, except on a CPU that runs the package's
+    own matrix products (`minigpt.products`: the fused kernel would bypass
+    them); both paths compute the same function.
 
     With a ``cache`` (a `LayerKVCache` holding P earlier positions) x holds
     only the T new positions: their keys and values are stored (H_kv heads,
@@ -260,12 +264,13 @@ class MultiHeadAttention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         new = q.shape[2]
         grouped = self.n_kv_heads != self.n_heads
-        if not (self.use_fused and not need_weights):
+        if need_weights or not self.use_fused or products.computes(q):
             if grouped:  # key-value head j serves query heads j r .. j r + r - 1
                 r = self.n_heads // self.n_kv_heads
                 k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
             mask = causal_mask(new, q.device, past=past) if self.causal else None
-            return scaled_dot_product_attention(q, k, v, mask, dropout_p)
+            context, weights = scaled_dot_product_attention(q, k, v, mask, dropout_p)
+            return context, weights if need_weights else None
         mask, is_causal = None, self.causal and past == 0
         if self.causal and past > 0 and new > 1:  # one new query sees every stored key
             mask = causal_mask(new, q.device, past=past)

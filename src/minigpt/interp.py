@@ -413,8 +413,8 @@ class CopyRecipe(BaseModel):
     n_layers: int = Field(default=2, gt=0)
     n_heads: int = Field(default=4, gt=0)
     d_model: int = Field(default=64, gt=0)
-    #: The MLP's width: 3 D, not GPT-2's 4 D = 256, a width at which MKL sums a product
-    #: differently on Intel and AMD CPUs (`minigpt.rl.SPLIT_TOKENS`).
+    #: The MLP's width: 3 D, where the chapter measured its copiers (with GPT-2's 4 D the
+    #: copying was shared among more heads of layer 1).
     d_ff: int = Field(default=192, gt=0)
     context_length: int = Field(default=64, gt=1)
     batch_size: int = Field(default=16, gt=0)

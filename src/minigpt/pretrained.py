@@ -52,7 +52,7 @@ from filelock import FileLock
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from tqdm import tqdm
 
-from minigpt import PINNED_CPU_KERNELS
+from minigpt import PINNED_CPU_KERNELS, products
 from minigpt.config import MODERN_LAYOUT, MODERN_TRAINING, GPTConfig, TrainConfig
 from minigpt.data import shakespeare_text, split_text
 from minigpt.files import atomic_write, cache_dir, sha256_file
@@ -67,7 +67,7 @@ log = logging.getLogger(__name__)
 #: models (tests/test_pretrained.py checks that the list is what importing this module loads).
 TRAINING_MODULES = ("__init__", "assets", "attention", "checkpoint", "config", "data",
                     "decoding", "files", "losses", "model", "nn", "optim", "parallel",
-                    "pretrained", "tokenizer", "train")
+                    "pretrained", "products", "tokenizer", "train")
 #: Optimiser steps of the modern book model.
 MODERN_BOOK_STEPS = 400
 WEIGHTS_NAME = "model.pt"
@@ -124,9 +124,8 @@ class Recipe(BaseModel):
 
 
 BOOK_RECIPE = Recipe()
-#: A much smaller model of the same text and tokenizer: the draft of speculative sampling. Its
-#: MLP is 3 D wide, not GPT-2's 4 D = 256: at 256 MKL sums the MLP's products differently on
-#: Intel and AMD CPUs (`minigpt.rl.SPLIT_TOKENS`), and the draft trained other bits on each.
+#: A much smaller model of the same text and tokenizer: the draft of speculative sampling,
+#: its MLP 3 D wide.
 DRAFT_RECIPE = Recipe(n_layers=1, n_heads=2, d_model=64, layout=dict(d_ff=192))
 #: The modern recipe (`MODERN_LAYOUT`, `MODERN_TRAINING`) at the book model's size, trained
 #: for no longer than the book model takes.
@@ -186,24 +185,28 @@ def key_material(recipe: Recipe, text: str) -> dict[str, Any]:
 
 
 def source_sha256(modules: tuple[str, ...]) -> str:
-    """sha256 of the source of these modules of the package (names and bytes, in order)."""
+    """sha256 of the source of these modules of the package (names and bytes, in order; a
+    module's C++ source, as ``products.cpp``, after its Python)."""
     digest = hashlib.sha256()
     for name in modules:
-        source = (Path(__file__).parent / f"{name}.py").read_bytes()
-        digest.update(f"\0{name}\0{len(source)}\0".encode())
-        digest.update(source)
+        for path in (Path(__file__).parent / f"{name}.py", Path(__file__).parent / f"{name}.cpp"):
+            if path.suffix == ".py" or path.is_file():
+                source = path.read_bytes()
+                digest.update(f"\0{path.name}\0{len(source)}\0".encode())
+                digest.update(source)
     return digest.hexdigest()
 
 
 def environment() -> dict[str, Any]:
     """What of the software and CPU determines the weights besides the recipe: the PyTorch
-    version, the kernels it runs and MKL's and oneDNN's settings (`minigpt.PINNED_CPU_KERNELS`;
+    version, the kernels it runs, MKL's and oneDNN's settings (`minigpt.PINNED_CPU_KERNELS`;
     a process whose first torch operation ran before minigpt was imported runs the CPU's
-    widest kernels)."""
+    widest kernels) and how its matrix products are summed (`minigpt.products.mode`)."""
     return {"torch": torch.__version__,
             "cpu_kernels": torch.backends.cpu.get_cpu_capability(),
             "kernel_settings": {name: os.environ.get(name) for name in sorted(
-                PINNED_CPU_KERNELS) if name != "ATEN_CPU_CAPABILITY"}}
+                PINNED_CPU_KERNELS) if name != "ATEN_CPU_CAPABILITY"},
+            "products": products.mode()}
 
 
 def cache_key(material: dict[str, Any]) -> str:
@@ -291,9 +294,10 @@ def _train_recipe(recipe: Recipe, text: str, progress: bool, say: Callable[[str]
 
 
 def _store(folder: Path, key: str, material: dict[str, Any], built: Built,
-           ) -> tuple[GPT, dict[str, Any]]:
-    """Write a built model into ``folder`` (weights, then manifest); return it, on the CPU
-    in eval mode, and its manifest."""
+           census: list[Any]) -> tuple[GPT, dict[str, Any]]:
+    """Write a built model into ``folder`` (weights, then manifest, with the ``census`` of
+    the matrix products building it computed, `minigpt.products.census`); return it, on the
+    CPU in eval mode, and its manifest."""
     model = built[0].to("cpu").eval()
     buffer = io.BytesIO()
     torch.save(model.state_dict(), buffer)
@@ -305,6 +309,7 @@ def _store(folder: Path, key: str, material: dict[str, Any], built: Built,
         "weights_sha256": hashlib.sha256(weights).hexdigest(),
         "metrics": built[1],
         "history": built[2],
+        "products": census,
     }
     if folder.exists():
         shutil.rmtree(folder)  # whatever was there was found unusable
@@ -357,7 +362,9 @@ def cached_model(material: dict[str, Any], build: Builder, *, progress: bool = F
                 warnings.warn(message, RuntimeWarning, stacklevel=4)
         built = loaded is None
         if loaded is None:
-            loaded = _store(folder, key, material, build(say, folder))
+            with products.census() as calls:
+                made = build(say, folder)
+            loaded = _store(folder, key, material, made, calls)
         model, manifest = loaded
     info = ModelInfo(key=key, path=folder, built=built,
                      load_seconds=time.perf_counter() - start, manifest=manifest)

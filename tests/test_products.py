@@ -1,0 +1,200 @@
+"""The package's matrix products (minigpt.products): what each kernel computes, bit for bit.
+
+Each product is compared with the order the module promises, computed here another way: a
+product MKL computes is the sum of MKL's own products of its blocks of `BLOCK` inner terms
+(PyTorch's ``mm.out``, which the kernels leave alone), added left to right after the bias;
+a thin product (and every float64 one) is the plain left-to-right sum of its terms, written
+out with elementwise float operations. That these orders give the same bits on an Intel and
+an AMD CPU is tests/test_same_bits.py's part.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minigpt import products
+from minigpt.attention import MultiHeadAttention, causal_mask, scaled_dot_product_attention
+
+pytestmark = pytest.mark.skipif(
+    products.mode() == "native",
+    reason="the package's products run on Linux x86-64 (elsewhere PyTorch's own)")
+
+
+def _random(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def _blocks(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """MKL's products of the blocks, added left to right, the bias after the first."""
+    mkl = torch.ops.aten.bmm.out if a.dim() == 3 else torch.ops.aten.mm.out
+    out = None
+    for start in range(0, a.shape[-1], products.BLOCK):
+        stop = start + products.BLOCK
+        part = mkl(a[..., start:stop], b[..., start:stop, :],
+                   out=a.new_empty((*a.shape[:-1], b.shape[-1])))
+        if out is None:
+            out = part if bias is None else part + bias
+        else:
+            out = out + part
+    assert out is not None
+    return out
+
+
+def _plain(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The package's order for a thin product, written out (`products.thin_order`)."""
+    return products.thin_order(a, b)
+
+
+@pytest.mark.parametrize("k", [1, 64, 191, 192, 193, 256, 384, 500])
+def test_a_product_is_the_sum_of_its_blocks(k: int) -> None:
+    a, b, bias = _random(24, k, seed=1), _random(k, 40, seed=2), _random(40, seed=3)
+    assert torch.equal(a @ b, _blocks(a, b))
+    assert torch.equal(torch.mm(a, b), _blocks(a, b))
+    assert torch.equal(torch.addmm(bias, a, b), _blocks(a, b, bias))
+    # nn.Linear's layout: x W^T, the weight read transposed
+    w = b.t().contiguous()
+    assert torch.equal(F.linear(a, w, bias), _blocks(a, w.t(), bias))
+    # a batch of matrices, and a batch read transposed
+    x, y = _random(3, 16, k, seed=4), _random(3, k, 20, seed=5)
+    assert torch.equal(torch.bmm(x, y), _blocks(x, y))
+    assert torch.equal(x @ y, _blocks(x, y))
+    yt = y.transpose(1, 2).contiguous().transpose(1, 2)
+    assert torch.equal(torch.bmm(x, yt), _blocks(x, yt))
+    base = _random(3, 16, 20, seed=6)
+    assert torch.equal(torch.baddbmm(base, x, y), _blocks(x, y, base))
+
+
+def test_alpha_scales_each_block_and_beta_the_bias() -> None:
+    a, b, bias = _random(8, 300, seed=1), _random(300, 16, seed=2), _random(8, 16, seed=3)
+    first = torch.ops.aten.mm.out(a[:, :192], b[:192], out=a.new_empty(8, 16)) * 0.5
+    expected = first + bias * 2.0
+    expected = expected + torch.ops.aten.mm.out(a[:, 192:], b[192:], out=a.new_empty(8, 16)) * 0.5
+    assert torch.equal(torch.addmm(bias, a, b, beta=2.0, alpha=0.5), expected)
+    # beta 0 ignores the bias, NaN or not, as BLAS does
+    nan = torch.full((8, 16), float("nan"))
+    assert torch.equal(torch.addmm(nan, a, b, beta=0), _blocks(a, b))
+
+
+@pytest.mark.parametrize(("m", "n"), [(1, 64), (2, 200), (3, 12), (4, 11), (64, 1), (5, 8),
+                                      (1, 1)])
+@pytest.mark.parametrize("k", [1, 7, 300])
+def test_a_thin_product_is_summed_in_the_packages_own_order(m: int, n: int, k: int) -> None:
+    assert m < products.MIN_ROWS or n < products.MIN_COLS
+    a, b, bias = _random(m, k, seed=1), _random(k, n, seed=2), _random(n, seed=3)
+    assert torch.equal(a @ b, _plain(a, b))
+    assert torch.equal(torch.addmm(bias, a, b), _plain(a, b) + bias)
+    w = b.t().contiguous()  # read transposed, as nn.Linear reads its weight
+    assert torch.equal(F.linear(a, w), _plain(a, b))
+    x, y = _random(2, m, k, seed=4), _random(2, k, n, seed=5)
+    assert torch.equal(torch.bmm(x, y), _plain(x, y))
+
+
+def test_vectors_and_float64_are_summed_in_the_packages_own_order() -> None:
+    a, x, y = _random(20, 50, seed=1), _random(50, seed=2), _random(50, seed=3)
+    assert torch.equal(torch.mv(a, x), _plain(a, x[:, None])[:, 0])
+    assert torch.equal(a @ x, _plain(a, x[:, None])[:, 0])
+    bias = _random(20, seed=4)
+    assert torch.equal(torch.addmv(bias, a, x), _plain(a, x[:, None])[:, 0] + bias)
+    assert torch.equal(torch.dot(x, y), _plain(x[None], y[:, None]).reshape(()))
+    d, e = _random(30, 400, dtype=torch.float64), _random(400, 30, seed=1, dtype=torch.float64)
+    assert torch.equal(d @ e, _plain(d, e))
+    # other dtypes have no rounding to order: PyTorch's own kernels
+    ints = torch.arange(6).reshape(2, 3)
+    assert torch.equal(ints @ ints.t(), torch.tensor([[5, 14], [14, 50]]))
+
+
+def test_gradients_are_summed_the_same_way() -> None:
+    # A weight's gradient sums over the batch's tokens: 300 of them, two blocks.
+    x = _random(300, 64, seed=1).requires_grad_()
+    w = _random(48, 64, seed=2).requires_grad_()
+    grad = _random(300, 48, seed=3)
+    F.linear(x, w).backward(grad)
+    assert w.grad is not None and x.grad is not None
+    assert torch.equal(w.grad, _blocks(grad.t(), x.detach()))
+    assert torch.equal(x.grad, _blocks(grad, w.detach()))
+
+
+def test_pytorchs_own_errors_for_what_is_not_a_product() -> None:
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        torch.mm(torch.ones(2, 3), torch.ones(4, 5))
+    with pytest.raises(RuntimeError, match="1D tensors expected"):
+        torch.dot(torch.ones(2, 3), torch.ones(3))
+    with pytest.raises(RuntimeError, match="inconsistent tensor size"):
+        torch.dot(torch.ones(2), torch.ones(3))
+    assert torch.mm(torch.ones(0, 4), torch.ones(4, 2)).shape == (0, 2)
+    assert torch.equal(torch.mm(torch.ones(3, 0), torch.ones(0, 2)), torch.zeros(3, 2))
+
+
+def test_attention_on_a_cpu_takes_the_explicit_path() -> None:
+    # PyTorch's fused kernel would hand its products to MKL past the package's kernels.
+    torch.manual_seed(0)
+    attention = MultiHeadAttention(32, 4).eval()
+    x = _random(2, 9, 32)
+    assert products.computes(x)
+    with torch.no_grad():
+        y, weights = attention(x)
+        q, k, v = (t.unflatten(-1, (4, 8)).transpose(1, 2)
+                   for t in attention.c_attn(x).split(32, dim=-1))
+        context, _ = scaled_dot_product_attention(q, k, v, causal_mask(9))
+        expected = attention.c_proj(context.transpose(1, 2).flatten(2))
+    assert weights is None and torch.equal(y, expected)
+
+
+def test_a_census_records_each_distinct_product_once() -> None:
+    a, b, bias = _random(8, 300), _random(300, 16), _random(16)
+    with products.census() as outer:
+        a @ b
+        with products.census() as inner:
+            torch.addmm(bias, a, b, alpha=0.5)
+            torch.addmm(bias, a, b, alpha=0.5)
+        _random(2, 3, 4) @ _random(2, 4, 5)
+    assert inner == [["mm", [8, 300], [300, 1], [300, 16], [16, 1], [16], [1], "float32",
+                      torch.get_num_threads(), 0.5, 1]]
+    assert len(outer) == 3 and inner[0] in outer
+    assert ["bmm", [2, 3, 4], [12, 4, 1], [2, 4, 5], [20, 5, 1], None, None, "float32",
+            torch.get_num_threads(), 1, 1] in outer
+
+
+def test_a_process_journals_its_census_into_the_folder_it_is_given(tmp_path) -> None:
+    code = ("import torch, minigpt; torch.set_num_threads(1); "
+            "torch.ones(5, 20) @ torch.ones(20, 13); torch.ones(5, 20) @ torch.ones(20, 13)")
+    env = os.environ | {"MINIGPT_CENSUS": str(tmp_path / "census")}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True)
+    (journal,) = (tmp_path / "census").iterdir()
+    lines = [json.loads(line) for line in journal.read_text(encoding="utf-8").splitlines()]
+    assert lines == [["mm", [5, 20], [20, 1], [20, 13], [13, 1], None, None, "float32", 1, 1,
+                      1]]
+
+
+@pytest.mark.parametrize(("value", "expected"), [("native", "native"),
+                                                 ("blocks", "blocks of 192")])
+def test_the_environment_chooses_the_products(value: str, expected: str) -> None:
+    code = "from minigpt import products; print(products.mode())"
+    env = os.environ | {"MINIGPT_PRODUCTS": value}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, check=True)
+    assert done.stdout.strip() == expected
+
+
+def test_an_unknown_choice_of_products_is_refused() -> None:
+    env = os.environ | {"MINIGPT_PRODUCTS": "fast"}
+    done = subprocess.run([sys.executable, "-c", "import minigpt"], env=env,
+                          capture_output=True, text=True)
+    assert done.returncode != 0
+    assert "MINIGPT_PRODUCTS='fast': use 'blocks'" in done.stderr
+
+
+def test_importing_minigpt_prints_nothing() -> None:
+    # PyTorch warns when a kernel is replaced; the package replaces them on purpose, quietly.
+    done = subprocess.run([sys.executable, "-c", "import minigpt"], capture_output=True,
+                          text=True, check=True)
+    assert done.stdout == done.stderr == ""
+    assert platform.machine() == "x86_64"
