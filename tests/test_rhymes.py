@@ -284,9 +284,9 @@ def test_every_batch_replays_its_share_of_the_older_families() -> None:
         losses = supervised_steps(model, tok, tiny_rhymes(), settings, replay=old_tasks())
     assert step.call_count == 5 and len(losses) == 5
     for call, loss in zip(step.call_args_list, losses, strict=True):
-        # one batch, or its rows cut into micro-batches outside SPLIT_TOKENS
+        # one batch of eight conversations
         rows = [tok.decode(row.tolist()) for batch in call.args[2] for row in batch.x]
-        assert len(rows) == 8
+        assert len(call.args[2]) == 1 and len(rows) == 8
         assert sum("rhymes with: " in row for row in rows) == 6, rows  # 2 of 8 replayed
         assert loss > 0
     without = SFTSettings(steps=3, lr=1e-3, batch_size=8)

@@ -27,7 +27,6 @@ from minigpt.dpo import sequence_logprobs
 from minigpt.optim import configure_optimizer
 from minigpt.rl import (
     EVAL_CHUNK,
-    SPLIT_TOKENS,
     GRPOSettings,
     RolloutBatch,
     evaluate_sampled,
@@ -36,7 +35,6 @@ from minigpt.rl import (
     grpo_loss,
     grpo_step,
     kl_estimate,
-    outside_the_split,
     pass_at_k,
     rft_step,
     rollout_loss,
@@ -813,34 +811,20 @@ def _batch(B: int, L: int) -> Batch:
     return Batch(x, torch.roll(x, -1, 1), mask)
 
 
-@pytest.mark.parametrize(("B", "L"), [(8, 24), (8, 30), (6, 40), (1, 200), (2, 150), (3, 127)])
-def test_a_batch_in_the_split_range_becomes_micro_batches_outside_it(B: int, L: int) -> None:
-    batch = _batch(B, L)
-    parts = outside_the_split(batch)
-    assert all(p.x.numel() not in SPLIT_TOKENS for p in parts)
-    if B * L not in SPLIT_TOKENS:
-        assert parts == [batch]
-    elif L < SPLIT_TOKENS.start:  # its rows, cut: nothing added, nothing lost
-        assert len(parts) > 1 and all(p.x.numel() < SPLIT_TOKENS.start for p in parts)
-        for name in ("x", "y", "mask"):
-            assert torch.equal(torch.cat([getattr(p, name) for p in parts]),
-                               getattr(batch, name))
-    else:  # one row alone is in the range: rows of padding that count for nothing
-        (padded,) = parts
-        assert torch.equal(padded.x[:B], batch.x) and not padded.mask[B:].any()
-        assert padded.x.numel() >= SPLIT_TOKENS.stop
-
-
 def test_a_step_on_the_micro_batches_is_the_step_on_the_batch() -> None:
     # train_step weighs every counted target alike across micro-batches: the same loss and
     # weights, up to the order of a sum.
     batch = _batch(8, 30)
-    assert 8 * 30 in SPLIT_TOKENS
+    thirds = [Batch(batch.x[i:i + 3], batch.y[i:i + 3], batch.mask[i:i + 3])
+              for i in (0, 3, 6)]
     results = []
-    for parts in ([batch], outside_the_split(batch)):
+    for parts in ([batch], thirds):
         model, _ = chat_model()
         model.train()
-        optimizer = configure_optimizer(model, lr=1e-2, weight_decay=0.0)
+        # plain SGD: the weights move by the gradient itself (Adam's first step moves a
+        # weight by +-lr whatever its gradient's size, so a rounding of a gradient near zero
+        # could flip it)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
         loss = train_step(model, optimizer, parts, grad_clip=1.0).loss.item()
         results.append((loss, model.state_dict()))
     (loss, state), (loss_split, state_split) = results

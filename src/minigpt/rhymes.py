@@ -42,7 +42,6 @@ from torch import Tensor
 from minigpt.data import split_text
 from minigpt.model import GPT
 from minigpt.optim import configure_optimizer
-from minigpt.rl import outside_the_split
 from minigpt.sft import encode_tasks
 from minigpt.tasks import Task, TaskSplit, check_split
 from minigpt.tokenizer import Tokenizer
@@ -325,9 +324,8 @@ def supervised_steps(model: GPT, tokenizer: Tokenizer, tasks: Sequence[Task],
     conversations uniformly from ``replay`` and the others from ``tasks`` (with
     replacement, seeded), and takes one `minigpt.train.train_step` (the masked
     cross-entropy) with AdamW at a constant rate and no weight decay
-    (`minigpt.optim.configure_optimizer`), in micro-batches whose token counts are none at
-    which Intel and AMD CPUs would train other bits (`minigpt.rl.outside_the_split`). The model
-    trains in train mode and is given back in the mode it was in.
+    (`minigpt.optim.configure_optimizer`). The model trains in train mode and is given back
+    in the mode it was in.
     """
     if not tasks:
         raise ValueError("supervised_steps needs at least one task")
@@ -347,8 +345,8 @@ def supervised_steps(model: GPT, tokenizer: Tokenizer, tasks: Sequence[Task],
         rows = torch.randint(0, len(tasks), (B - share,), generator=generator).tolist()
         rows += (len(tasks) + torch.randint(0, max(len(replay), 1), (share,),
                                             generator=generator)).tolist()
-        micro_batches = [b.to(device) for b in outside_the_split(data.batch(rows))]
-        result = train_step(model, optimizer, micro_batches, grad_clip=settings.grad_clip)
+        result = train_step(model, optimizer, [data.batch(rows).to(device)],
+                            grad_clip=settings.grad_clip)
         losses.append(result.loss)  # read after the loop: no wait on every step
     model.train(was_training)
     return torch.stack(losses).tolist()

@@ -441,40 +441,6 @@ def grpo_step(policy: GPT, optimizer: Optimizer, tokenizer: Tokenizer, tasks: Se
                      length, result.grad_norm.item())
 
 
-# ------------------------------------------------------------- the same bits on every CPU
-
-#: The inner dimensions of a matrix product at which MKL's code for Intel CPUs (the AVX2
-#: branch of its reproducible mode) and its code for other x86-64 CPUs sum in different
-#: orders, so that a seeded step trains other bits on an Intel CPU than on an AMD one: as the
-#: token count of a micro-batch (B x L, the inner dimension of every weight gradient's
-#: product), and as a layer's width (its input's in the forward pass, its output's in the
-#: backward). Measured with MKL 2024.0 under `qemu-x86_64` (Haswell against this AMD EPYC):
-#: every count from 193 to 257 and the odd ones from 259 to 383 differ; no other from 1 to
-#: 1,099 (and 4,000, 7,777), for five weight shapes of the book's models; an MLP 256 wide
-#: differs too. `tests/test_reproducible.py` checks that no cached model has such a width.
-SPLIT_TOKENS = range(193, 384)
-
-
-def outside_the_split(batch: Batch) -> list[Batch]:
-    """``batch`` as micro-batches whose token counts lie outside `SPLIT_TOKENS`: itself if
-    its count does; else its rows cut into micro-batches of at most 192 tokens each, which
-    `minigpt.train.train_step` sums to the same mean loss and gradient (up to the order of
-    a sum), the same on every CPU; else (rows so long that one alone is in the range) with
-    rows of padding added, every target masked out, until the count is past it. A
-    supervised step on short answers, eight at a time, lands in the range."""
-    assert batch.mask is not None, "padding rows count for nothing only under a mask"
-    B, L = batch.x.shape
-    if B * L not in SPLIT_TOKENS:
-        return [batch]
-    if L < SPLIT_TOKENS.start:
-        rows = (SPLIT_TOKENS.start - 1) // L
-        return [Batch(batch.x[i:i + rows], batch.y[i:i + rows], batch.mask[i:i + rows])
-                for i in range(0, B, rows)]
-    extra = -(-SPLIT_TOKENS.stop // L) - B
-    x, y, mask = (torch.cat([t, t.new_zeros(extra, L)]) for t in (batch.x, batch.y, batch.mask))
-    return [Batch(x, y, mask)]
-
-
 # ------------------------------------------------------------ rejection sampling (RFT)
 
 @dataclass(frozen=True)
@@ -508,8 +474,7 @@ def rft_step(policy: GPT, optimizer: Optimizer, tokenizer: Tokenizer, tasks: Seq
     (`grpo_batch`: the same rollouts from the same generator), keep the right ones (reward
     > 0), and take one supervised step on them: `minigpt.train.train_step`'s masked
     cross-entropy over the kept answers' tokens, their end token included, as fine-tuning
-    trains on a teacher's answers (`outside_the_split`: the same bits on every CPU). No step
-    when no answer is right.
+    trains on a teacher's answers. No step when no answer is right.
 
     The settings GRPO reads for its loss (clip, KL, scale, length_norm) play no part: RFT
     weighs every kept token alike. One process (a rank keeping no answer would skip the
@@ -529,8 +494,7 @@ def rft_step(policy: GPT, optimizer: Optimizer, tokenizer: Tokenizer, tasks: Seq
     loss, grad_norm = math.nan, 0.0
     if kept:
         right = Batch(batch.x[keep], batch.y[keep], batch.mask[keep])
-        result = train_step(policy, optimizer, outside_the_split(right),
-                            grad_clip=settings.grad_clip)
+        result = train_step(policy, optimizer, [right], grad_clip=settings.grad_clip)
         loss, grad_norm = result.loss.item(), result.grad_norm.item()
     return RFTStats(rewards.mean().item(), zero_signal_groups(rewards).float().mean().item(),
                     kept, loss, batch.mask.sum(dim=1).float().mean().item(), grad_norm)
