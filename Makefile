@@ -161,7 +161,10 @@ system-deps:
 # tools/execute_chapters.py fills that cache with the chapters executed two at a time (each
 # runs on one thread), as myst-nb would execute them; Sphinx then finds every chapter there
 # and executes nothing again. Warnings are errors; --keep-going reports all of them before
-# failing. PYTHONHASHSEED is the same here, under nbval and in `make baseline`.
+# failing. PYTHONHASHSEED is the same here, under nbval and in `make baseline`. Each chapter's
+# kernel records the matrix products it computes in _build/census (MINIGPT_CENSUS,
+# minigpt.products), which tools/census.py gathers with set-up's into
+# tests/notebooks/products.json.
 CHAPTER_JOBS ?= 2
 # A successful build leaves the stamp _build/.built, which `make pdf` compares with what the
 # site is made from.
@@ -171,8 +174,9 @@ BOOK_SOURCES := $(wildcard book/*.md src/minigpt/*.py _ext/*.py _ext/static/* _t
 	tools/execute_chapters.py
 book: playground
 	rm -rf _build/.doctrees _build/html _build/jupyter_execute _build/.jupyter_cache \
-		$(BOOK_STAMP)
-	PYTHONHASHSEED=0 $(PY) tools/execute_chapters.py --jobs $(CHAPTER_JOBS)
+		_build/census $(BOOK_STAMP)
+	MINIGPT_CENSUS=$(CURDIR)/_build/census PYTHONHASHSEED=0 \
+		$(PY) tools/execute_chapters.py --jobs $(CHAPTER_JOBS)
 	PYTHONHASHSEED=0 $(BIN)/jupyter-book build --all --warningiserror --keep-going --path-output . .
 	touch $(BOOK_STAMP)
 

@@ -1,18 +1,23 @@
 """The same bits on an Intel CPU as on an AMD one, proven under `qemu-user`'s emulated CPUs.
 
 `qemu-x86_64 -cpu MODEL` runs the project's venv as that CPU would: its instruction set and
-its CPUID, which is what MKL reads to choose its code paths. `tools/same_bits.py` takes one
-optimiser step of each kind of training set-up runs (the book recipe, its draft, the modern
-recipe with Muon, SFT, DPO, the rewards chapter's supervised, GRPO and rejection-sampling
-steps, a copier) and, with the cached book model's weights, a greedy sample and one forward
-pass's attention weights; it runs here natively, as an Intel CPU (Haswell) and as an AMD one
-(EPYC), and every kind it trains must give the same sha256 on the three. MKL's own product of
-inner dimension 256, which the two makers' CPUs sum in different orders, shows that the
-comparison can fail; it compares the two emulated CPUs, so that the tests hold on an Intel
-host as on an AMD one. Emulation is some 60 times slower than the CPU, and more for Python
-code (importing PyTorch and what its optimisers import takes most of it): the runs are one
-step of two sequences each, about a minute of one core per emulated CPU. They cover the
-kinds of step, not every shape the book computes (the README's "What reproduces where").
+its CPUID, which is what MKL reads to choose its code paths. `tools/same_bits.py` runs here
+natively, as an Intel CPU (Haswell) and as an AMD one (EPYC), one process each, and every
+output but MKL's own products must be the same on the three:
+
+- the census (`tests/notebooks/products.json`): every distinct product set-up's models and
+  the chapters compute, as the package's products compute it (`minigpt.products`): each
+  block MKL is handed, and each product the package sums itself;
+- one optimiser step of each kind of training set-up runs (the book recipe, its draft and
+  SFT at their recipes' batches, the modern recipe with Muon, DPO, the rewards chapter's
+  supervised, GRPO and rejection-sampling steps, a copier), and, with the cached book
+  model's weights, a greedy sample and one forward pass's attention weights;
+- each kind of random draw a run makes.
+
+MKL's own products (of inner dimension 256 and 300, of two rows, of eight columns), which the
+two makers' CPUs sum in different orders, show that the comparison can fail; the test
+compares the two emulated CPUs, so that it holds on an Intel host as on an AMD one. The
+census is checked to be what the book computes (`tools/census.py`).
 
 `make test` installs Debian's `qemu-user` (`make system-deps`); on Linux x86-64 without it
 these tests fail and say so. Elsewhere (arm64, macOS, Windows) they do not apply.
@@ -32,7 +37,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import ROOT
+from helpers import ROOT, load_tool
 
 import minigpt
 from minigpt import pretrained
@@ -48,8 +53,12 @@ QEMU = "qemu-x86_64"
 #: An Intel CPU and an AMD one, both AVX2 without AVX-512, as qemu-user names them.
 CPUS = ("Haswell", "EPYC")
 TOOL = ROOT / "tools" / "same_bits.py"
+CENSUS = ROOT / "tests" / "notebooks" / "products.json"
+#: Seconds one emulated run may take (about 60 times the native run, more for Python).
+TIMEOUT = 1800
 #: The tool's output that is not a trained model's sha256.
-NOT_TRAINED = {"cpu kernels", "raw mkl", "greedy sample", "attention sha256",
+NOT_TRAINED = {"cpu kernels", "products", "census", "random", "raw mkl", "greedy sample",
+               "attention sha256",
                "attention[layer 1, head 0, last row, first column]"}
 
 
@@ -69,7 +78,7 @@ def _run(cpu: str | None, *args: str, **env: str) -> dict[str, Any]:
     command = [sys.executable, str(TOOL), *args]
     if cpu is not None:
         command = [_qemu(), "-cpu", cpu, *command]
-    done = subprocess.run(command, env=clean, capture_output=True, text=True, timeout=1200)
+    done = subprocess.run(command, env=clean, capture_output=True, text=True, timeout=TIMEOUT)
     # qemu warns of CPUID features its translator lacks (pcid, x2apic...): not an error.
     assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stderr[-3000:]}"
     result: dict[str, Any] = json.loads(done.stdout)
@@ -91,7 +100,8 @@ def runs(trained_model: Path) -> dict[str | None, dict[str, Any]]:
     """The tool's output natively and under each emulated CPU, run side by side."""
     _qemu()
     with ThreadPoolExecutor(len(CPUS) + 1) as pool:
-        futures = {cpu: pool.submit(_run, cpu, "--model", str(trained_model))
+        futures = {cpu: pool.submit(_run, cpu, "--model", str(trained_model), "--census",
+                                    str(CENSUS))
                    for cpu in (None, *CPUS)}
         return {cpu: future.result() for cpu, future in futures.items()}
 
@@ -119,11 +129,37 @@ def test_a_trained_model_samples_and_attends_as_natively(
         assert emulated[key] == native[key], key
 
 
+@pytest.mark.parametrize("cpu", CPUS)
+def test_every_product_of_the_census_and_every_random_draw_is_the_same_as_natively(
+        runs: dict[str | None, dict[str, Any]], cpu: str) -> None:
+    native, emulated = runs[None], runs[cpu]
+    assert native["products"] == emulated["products"] == "blocks of 192"
+    census = json.loads(CENSUS.read_text(encoding="utf-8"))
+    assert len(census["set-up"]) > 100 and len(census["chapters"]) > 100
+    assert len(native["census"]) == len(emulated["census"]) > 100
+    differ = [i for i, (a, b) in enumerate(zip(native["census"], emulated["census"],
+                                               strict=True)) if a != b]
+    calls = load_tool("same_bits").census_calls(CENSUS)
+    assert not differ, f"{cpu} computed other bits for {[calls[i] for i in differ[:10]]}"
+    assert emulated["random"] == native["random"]
+
+
 def test_the_two_emulated_cpus_can_be_told_apart(
         runs: dict[str | None, dict[str, Any]]) -> None:
-    # MKL's own product of inner dimension 256 differs between the emulated Intel and AMD
-    # CPUs (64 and 192 agree): the comparisons above would see a part of MKL's that sums by
-    # the CPU's maker. Emulated against emulated, so it holds on either maker's host.
+    # MKL's own products, bypassing minigpt.products: within one block of at least four rows
+    # and twelve columns (64 and 192 inner terms) the emulated Intel and AMD CPUs agree; past
+    # a block, and for two rows or eight columns, they do not. The comparisons above would
+    # see such a difference. Emulated against emulated, so it holds on either maker's host.
     intel, amd = (json.loads(runs[cpu]["raw mkl"]) for cpu in CPUS)
     assert intel["64"] == amd["64"] and intel["192"] == amd["192"]
-    assert intel["256"] != amd["256"]
+    for part in ("256", "300", "2 rows", "8 columns"):
+        assert intel[part] != amd[part], part
+
+
+@pytest.mark.book
+def test_the_census_is_what_the_book_computes() -> None:
+    # What set-up's models (their manifests) and this build's chapters (_build/census)
+    # computed is what the stored census holds: `tools/census.py` rewrites it.
+    tool = load_tool("census")
+    assert tool.text(tool.gather()) == CENSUS.read_text(encoding="utf-8"), (
+        "tests/notebooks/products.json is stale: run .venv/bin/python tools/census.py")

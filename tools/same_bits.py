@@ -1,24 +1,28 @@
-"""A few steps of every kind of training set-up runs, as sha256s: run it on two CPUs and compare.
+"""What the book computes, as sha256s: run it on two CPUs and compare.
 
-Set-up trains the book's models with seven kinds of run: the book recipe (AdamW), the modern
-recipe (Muon), supervised fine-tuning of the modern model into an assistant, DPO from that
-assistant, GRPO and rejection sampling from it (the rewards chapter's; its SFT runs are
-supervised steps like the assistant's), and the inside-the-model chapter's copiers (their
-own batch of repeated rows). Each kind here takes a few optimiser steps of its
-recipe (its model, context, optimiser and schedule, but a small batch, on four plays, one
-thread), the next one continuing from the last as set-up's chain does, and prints the sha256
-of the weights after it. A chapter-like check follows: with a trained model (``--model``:
-its weights, config and tokenizer, which `tests/test_same_bits.py` writes from the cached
-book model), a greedy sample, the sha256 of one forward pass's attention weights, and one
-weight as a chapter prints it.
+Parts of the output (JSON keys):
+- ``census``: every distinct call to MKL that the package's products make for a census of
+  products (``--census tests/notebooks/products.json``: what set-up's models and the chapters
+  compute, `tools/census.py`), recomputed on seeded random operands: one sha256 per call,
+  and the products the package sums itself, recomputed through its kernels.
+- The training runs: a step of every kind of run set-up makes (the book recipe, its draft and
+  the modern recipe, SFT, DPO, the rewards chapter's supervised, GRPO and rejection-sampling
+  steps, a copier), chained as set-up chains them, the weights' sha256 after each. The draft
+  and SFT take their recipes' own batches; the others ``--batch-size`` sequences. With
+  ``--model`` (a trained model's weights, config and tokenizer), a greedy sample and one
+  forward pass's attention weights.
+- ``random``: the random draws a run makes (normal, uniform, integers, permutations,
+  multinomial, Bernoulli and dropout masks), and ``raw mkl``: products MKL computes itself,
+  outside the package's products (what would part between CPU makers without them).
 
-Two CPUs that give the same lines train the same bits. `tests/test_same_bits.py` runs this
-natively and under `qemu-x86_64` as an Intel CPU (Haswell) and an AMD one (EPYC):
+Two CPUs that give the same lines compute the same bits. `tests/test_same_bits.py` runs this
+natively and under `qemu-x86_64` as an Intel CPU (Haswell) and an AMD one (EPYC), one process
+each:
 
-    .venv/bin/python tools/same_bits.py
-    qemu-x86_64 -cpu Haswell .venv/bin/python tools/same_bits.py
+    .venv/bin/python tools/same_bits.py --census tests/notebooks/products.json
+    qemu-x86_64 -cpu Haswell .venv/bin/python tools/same_bits.py --census ...
 
-Output: one JSON object, name -> sha256 (or printed text), on stdout.
+Output: one JSON object on stdout.
 """
 
 from __future__ import annotations
@@ -34,10 +38,11 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 # Importing minigpt pins the CPU kernels (minigpt.PINNED_CPU_KERNELS), before torch runs
 # an operation.
-from minigpt import pretrained
+from minigpt import pretrained, products
 from minigpt.assistant import ASSISTANT_RECIPE
 from minigpt.config import GPTConfig
 from minigpt.data import shakespeare_text, split_text
@@ -138,15 +143,109 @@ def reward_runs(model: GPT, chat: Tokenizer, old: list[Task], steps: int) -> dic
     return hashes
 
 
+#: A call of more rows than this is replayed with fewer (`mkl_calls`).
+FULL_ROWS = 72
+#: A batched call of more matrices than this is replayed with this many.
+FULL_BATCH = 2
+
+
+def _rows(m: int) -> int:
+    """The rows a call of ``m`` rows is replayed with: all of them up to `FULL_ROWS`, else 48
+    plus ``m`` mod 24, so that every residue of the row count that MKL's row tiles (of 4, 6
+    or 8 rows, and their multiples) could meet stays, and the first rows' paths too."""
+    return m if m <= FULL_ROWS else 48 + m % 24
+
+
+def mkl_calls(entry: list[Any]) -> set[tuple[Any, ...]]:
+    """What the package's products compute for one census entry, as distinct calls: for a
+    product MKL computes (`minigpt.products`: float32, at least `products.MIN_ROWS` rows and
+    `products.MIN_COLS` columns), MKL's blocks of at most `products.BLOCK` inner terms, each
+    operand keeping its strides (the blocks' sums and the bias are added by PyTorch's
+    elementwise kernels, the same instructions on every CPU, pinned to AVX2); for one the
+    package sums itself, the whole product through its kernel. Rows reduced by `_rows`, a
+    batch of matrices to `FULL_BATCH` (MKL computes each matrix on its own)."""
+    kind, a_shape, a_stride, b_shape, b_stride, bias_shape, _, dtype, threads, _, _ = entry
+    batch = (min(a_shape[0], FULL_BATCH),) if kind == "bmm" else ()
+    m, k, n = a_shape[-2], a_shape[-1], b_shape[-1]
+    rows = _rows(m)
+    if dtype != "float32" or m < products.MIN_ROWS or n < products.MIN_COLS:
+        return {("own", (*batch, rows, k), tuple(a_stride), (*batch, k, n), tuple(b_stride),
+                 dtype, threads)}
+    return {("mkl", (*batch, rows, min(products.BLOCK, k - start)), tuple(a_stride),
+             (*batch, min(products.BLOCK, k - start), n), tuple(b_stride), dtype, threads)
+            for start in range(0, k, products.BLOCK)}
+
+
+def _operand(shape: tuple[int, ...], stride: tuple[int, ...], generator: torch.Generator,
+             dtype: torch.dtype) -> torch.Tensor:
+    """Seeded random numbers of this shape, laid out with these strides."""
+    size = 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True) if n > 0)
+    return torch.randn(size, generator=generator, dtype=dtype).as_strided(shape, stride)
+
+
+def replay(call: tuple[Any, ...], seed: int) -> str:
+    """One of `mkl_calls` on seeded random operands: the sha256 of its result. An ``mkl``
+    call goes to PyTorch's ``mm.out`` / ``bmm.out`` (MKL itself, as the package's kernels
+    hand it a block); an ``own`` one through the package's kernel (``mm`` / ``bmm``)."""
+    where, a_shape, a_stride, b_shape, b_stride, dtype, threads = call
+    generator = torch.Generator().manual_seed(seed)
+    torch.set_num_threads(threads)
+    kind = getattr(torch, dtype)
+    a = _operand(a_shape, a_stride, generator, kind)
+    b = _operand(b_shape, b_stride, generator, kind)
+    batched = len(a_shape) == 3
+    if where == "mkl":
+        out = a.new_empty((*a_shape[:-1], b_shape[-1]))
+        (torch.ops.aten.bmm.out if batched else torch.ops.aten.mm.out)(a, b, out=out)
+    else:
+        out = torch.bmm(a, b) if batched else torch.mm(a, b)
+    return tensor_sha256(out)
+
+
+def census_calls(path: Path) -> list[tuple[Any, ...]]:
+    """Every distinct `mkl_calls` of a census file (`tools/census.py`), sorted."""
+    census = json.loads(path.read_text(encoding="utf-8"))
+    calls = set().union(*(mkl_calls(entry) for part in census.values() for entry in part))
+    return sorted(calls, key=repr)
+
+
+def census_hashes(path: Path) -> list[str]:
+    """`replay` of every one of `census_calls`, seeded by its place in the list."""
+    hashes = [replay(call, seed)[:16] for seed, call in enumerate(census_calls(path))]
+    torch.set_num_threads(1)
+    return hashes
+
+
+def random_draws() -> dict[str, str]:
+    """The sha256 of each kind of random draw a run makes, seeded (dropout's and Bernoulli's
+    masks have used MKL's generator in some PyTorch builds)."""
+    draws = {}
+    for name, draw in {
+        "normal": lambda: torch.randn(4099),
+        "uniform": lambda: torch.rand(4099),
+        "integers": lambda: torch.randint(0, 1000, (4099,)),
+        "permutation": lambda: torch.randperm(4099),
+        "multinomial": lambda: torch.multinomial(torch.rand(7, 65), 3, replacement=True),
+        "bernoulli": lambda: torch.bernoulli(torch.full((4099,), 0.3)),
+        "bernoulli_": lambda: torch.empty(4099).bernoulli_(0.1),
+        "dropout": lambda: F.dropout(torch.ones(12, 64, 128), p=0.1),
+    }.items():
+        torch.manual_seed(0)
+        draws[name] = tensor_sha256(draw())
+    return {"random": json.dumps(draws, sort_keys=True)}
+
+
 def raw_mkl() -> dict[str, str]:
-    """MKL's own products of inner dimension 64, 192 and 256, one of each: the two makers'
-    CPUs sum the last in different orders (the README's "What reproduces where"), so two
-    emulated CPUs that agree on it are not the two makers' paths."""
+    """Products that MKL computes itself, bypassing `minigpt.products` (its ``mm.out``
+    kernel): of inner dimension 64, 192, 256 and 300 (96 x 80 results), and of 2 rows and of
+    8 columns (inner dimension 128). A CPU maker's own sums show here."""
     generator = torch.Generator().manual_seed(0)
     out = {}
-    for k in (64, 192, 256):
-        a, b = torch.randn(96, k, generator=generator), torch.randn(k, 80, generator=generator)
-        out[str(k)] = tensor_sha256(a @ b)
+    for name, (m, k, n) in {"64": (96, 64, 80), "192": (96, 192, 80), "256": (96, 256, 80),
+                            "300": (96, 300, 80), "2 rows": (2, 128, 80),
+                            "8 columns": (96, 128, 8)}.items():
+        a, b = torch.randn(m, k, generator=generator), torch.randn(k, n, generator=generator)
+        out[name] = tensor_sha256(torch.ops.aten.mm.out(a, b, out=a.new_empty(m, n)))
     return {"raw mkl": json.dumps(out, sort_keys=True)}
 
 
@@ -174,10 +273,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=2,
                         help="sequences (DPO: pairs) a step, in place of each recipe's "
                              "(default 2)")
-    parser.add_argument("--only", choices=("training", "chapter"),
-                        help="the training runs only, or the chapter's checks only (default: "
-                             "MKL's own products, the training runs, and the chapter's "
-                             "checks if --model)")
+    parser.add_argument("--census", type=Path,
+                        help="a census file (tools/census.py): replay every product in it")
+    parser.add_argument("--only", choices=("training", "chapter", "census"),
+                        help="the training runs, the chapter's checks or the census only "
+                             "(default: the random draws, MKL's own products, the training "
+                             "runs, and the census if --census and the chapter's checks if "
+                             "--model)")
     parser.add_argument("--model", type=Path,
                         help="a trained model: torch.save({'config': ..., 'state': ..., "
                              "'tokenizer': tokenizer.to_dict()})")
@@ -187,12 +289,19 @@ def main(argv: list[str] | None = None) -> int:
                      f"{args.batch_size}")
     if args.only == "chapter" and args.model is None:
         parser.error("--only chapter needs --model")
+    if args.only == "census" and args.census is None:
+        parser.error("--only census needs --census")
     if args.model is not None and not args.model.is_file():
         parser.error(f"--model {args.model}: no such file")
+    if args.census is not None and not args.census.is_file():
+        parser.error(f"--census {args.census}: no such file")
     torch.set_num_threads(1)  # as set-up trains: one thread, the same reductions every run
-    out: dict[str, str] = {"cpu kernels": torch.backends.cpu.get_cpu_capability()}
+    out: dict[str, Any] = {"cpu kernels": torch.backends.cpu.get_cpu_capability(),
+                           "products": products.mode()}
+    if args.census is not None and args.only in (None, "census"):
+        out["census"] = census_hashes(args.census)
     if args.only is None:
-        out |= raw_mkl()
+        out |= random_draws() | raw_mkl()
     if args.only in (None, "training"):
         out |= training_runs(args.steps, args.batch_size)
     if (args.only is None and args.model is not None) or args.only == "chapter":
