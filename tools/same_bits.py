@@ -78,8 +78,10 @@ def tensor_sha256(tensor: torch.Tensor) -> str:
 
 
 def training_runs(steps: int, batch_size: int) -> dict[str, str]:
-    """``steps`` optimiser steps of ``batch_size`` sequences (or pairs) of each kind of run
-    set-up makes, chained as set-up chains them; the sha256 of the weights after each."""
+    """``steps`` optimiser steps of each kind of run set-up makes, chained as set-up chains
+    them, of ``batch_size`` sequences (or pairs), but the draft's and SFT's, which take their
+    recipes' own batches (SFT's: 8 conversations of the assistants' context, the kind that
+    once parted between makers); the sha256 of the weights after each."""
     text = shakespeare_text(PLAYS)
     tokenizer = CharTokenizer.from_text(text)
     train_text, val_text = split_text(text, pretrained.BOOK_RECIPE.train_fraction)
@@ -92,14 +94,15 @@ def training_runs(steps: int, batch_size: int) -> dict[str, str]:
     recipes = {"book": pretrained.BOOK_RECIPE, "draft": pretrained.DRAFT_RECIPE,
                "modern": pretrained.MODERN_RECIPE}
     for name, recipe in recipes.items():
-        config = recipe.training.model_copy(update=short)
+        own = {"batch_size": recipe.training.batch_size} if name == "draft" else {}
+        config = recipe.training.model_copy(update=short | own)
         result = train(recipe.gpt_config(tokenizer.vocab_size), config, train_ids, val_ids,
                        progress=False)
         models[name] = result.model
         hashes[name] = weights_sha256(result.model)
     recipe = ASSISTANT_RECIPE
     tasks = make_tasks(train_text, 2, 1, seed=recipe.task_seed)
-    sft_config = recipe.sft.model_copy(update=short)
+    sft_config = recipe.sft.model_copy(update=short | {"batch_size": recipe.sft.batch_size})
     sft, chat = finetune(models["modern"], tokenizer, tasks.train, tasks.test, sft_config,
                          replay=text_windows(train_text, 8, recipe.replay_chars),
                          max_turns=recipe.max_turns, context_length=recipe.context_length,
