@@ -14,7 +14,7 @@ output but MKL's own products must be the same on the three:
   model's weights, a greedy sample and one forward pass's attention weights;
 - each kind of random draw a run makes.
 
-MKL's own products (of inner dimension 256 and 300, of two rows, of eight columns), which the
+MKL's own products (of inner dimension 256 and 299, of two rows, of eight columns), which the
 two makers' CPUs sum in different orders, show that the comparison can fail; the test
 compares the two emulated CPUs, so that it holds on an Intel host as on an AMD one. The
 census is checked to be what the book computes (`tools/census.py`).
@@ -55,7 +55,7 @@ CPUS = ("Haswell", "EPYC")
 TOOL = ROOT / "tools" / "same_bits.py"
 CENSUS = ROOT / "tests" / "notebooks" / "products.json"
 #: Seconds one emulated run may take (about 60 times the native run, more for Python).
-TIMEOUT = 1800
+TIMEOUT = 2700
 #: The tool's output that is not a trained model's sha256.
 NOT_TRAINED = {"cpu kernels", "products", "census", "random", "raw mkl", "greedy sample",
                "attention sha256",
@@ -152,7 +152,7 @@ def test_the_two_emulated_cpus_can_be_told_apart(
     # see such a difference. Emulated against emulated, so it holds on either maker's host.
     intel, amd = (json.loads(runs[cpu]["raw mkl"]) for cpu in CPUS)
     assert intel["64"] == amd["64"] and intel["192"] == amd["192"]
-    for part in ("256", "300", "2 rows", "8 columns"):
+    for part in ("256", "299", "2 rows", "8 columns"):
         assert intel[part] != amd[part], part
 
 
