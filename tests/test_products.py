@@ -48,11 +48,6 @@ def _blocks(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) 
     return out
 
 
-def _plain(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """The package's order for a thin product, written out (`products.thin_order`)."""
-    return products.thin_order(a, b)
-
-
 @pytest.mark.parametrize("k", [1, 64, 191, 192, 193, 256, 384, 500])
 def test_a_product_is_the_sum_of_its_blocks(k: int) -> None:
     a, b, bias = _random(24, k, seed=1), _random(k, 40, seed=2), _random(40, seed=3)
@@ -89,23 +84,23 @@ def test_alpha_scales_each_block_and_beta_the_bias() -> None:
 def test_a_thin_product_is_summed_in_the_packages_own_order(m: int, n: int, k: int) -> None:
     assert m < products.MIN_ROWS or n < products.MIN_COLS
     a, b, bias = _random(m, k, seed=1), _random(k, n, seed=2), _random(n, seed=3)
-    assert torch.equal(a @ b, _plain(a, b))
-    assert torch.equal(torch.addmm(bias, a, b), _plain(a, b) + bias)
+    assert torch.equal(a @ b, products.thin_order(a, b))
+    assert torch.equal(torch.addmm(bias, a, b), products.thin_order(a, b) + bias)
     w = b.t().contiguous()  # read transposed, as nn.Linear reads its weight
-    assert torch.equal(F.linear(a, w), _plain(a, b))
+    assert torch.equal(F.linear(a, w), products.thin_order(a, b))
     x, y = _random(2, m, k, seed=4), _random(2, k, n, seed=5)
-    assert torch.equal(torch.bmm(x, y), _plain(x, y))
+    assert torch.equal(torch.bmm(x, y), products.thin_order(x, y))
 
 
 def test_vectors_and_float64_are_summed_in_the_packages_own_order() -> None:
     a, x, y = _random(20, 50, seed=1), _random(50, seed=2), _random(50, seed=3)
-    assert torch.equal(torch.mv(a, x), _plain(a, x[:, None])[:, 0])
-    assert torch.equal(a @ x, _plain(a, x[:, None])[:, 0])
+    assert torch.equal(torch.mv(a, x), products.thin_order(a, x[:, None])[:, 0])
+    assert torch.equal(a @ x, products.thin_order(a, x[:, None])[:, 0])
     bias = _random(20, seed=4)
-    assert torch.equal(torch.addmv(bias, a, x), _plain(a, x[:, None])[:, 0] + bias)
-    assert torch.equal(torch.dot(x, y), _plain(x[None], y[:, None]).reshape(()))
+    assert torch.equal(torch.addmv(bias, a, x), products.thin_order(a, x[:, None])[:, 0] + bias)
+    assert torch.equal(torch.dot(x, y), products.thin_order(x[None], y[:, None]).reshape(()))
     d, e = _random(30, 400, dtype=torch.float64), _random(400, 30, seed=1, dtype=torch.float64)
-    assert torch.equal(d @ e, _plain(d, e))
+    assert torch.equal(d @ e, products.thin_order(d, e))
     # other dtypes have no rounding to order: PyTorch's own kernels
     ints = torch.arange(6).reshape(2, 3)
     assert torch.equal(ints @ ints.t(), torch.tensor([[5, 14], [14, 50]]))
