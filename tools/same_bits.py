@@ -3,7 +3,8 @@
 Parts of the output (JSON keys):
 - ``census``: every distinct call to MKL that the package's products make for a census of
   products (``--census tests/notebooks/products.json``: what set-up's models and the chapters
-  compute, `tools/census.py`), recomputed on seeded random operands: one sha256 per call,
+  compute, `tools/census.py`), recomputed on seeded random operands (cut from one pool of
+  random numbers, `POOL`): one sha256 per call,
   and the products the package sums itself, recomputed through its kernels.
 - The training runs: a step of every kind of run set-up makes (the book recipe, its draft and
   the modern recipe, SFT, DPO, the rewards chapter's supervised, GRPO and rejection-sampling
@@ -179,11 +180,24 @@ def mkl_calls(entry: list[Any]) -> set[tuple[Any, ...]]:
             for start in range(0, k, products.BLOCK)}
 
 
+#: Random numbers the replayed operands are cut from (more than the largest operand of the
+#: census holds, 262,080): drawing each operand afresh would make the draws, not the
+#: products, most of an emulated CPU's time.
+POOL = 1 << 19
+_pools: dict[torch.dtype, torch.Tensor] = {}
+
+
 def _operand(shape: tuple[int, ...], stride: tuple[int, ...], generator: torch.Generator,
              dtype: torch.dtype) -> torch.Tensor:
-    """Seeded random numbers of this shape, laid out with these strides."""
+    """Random numbers of this shape, laid out with these strides: a view of `POOL` seeded
+    random numbers from a place ``generator`` draws."""
     size = 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True) if n > 0)
-    return torch.randn(size, generator=generator, dtype=dtype).as_strided(shape, stride)
+    assert size <= POOL, f"an operand of {size} numbers: raise POOL"
+    if dtype not in _pools:
+        _pools[dtype] = torch.randn(POOL, generator=torch.Generator().manual_seed(0),
+                                    dtype=dtype)
+    start = int(torch.randint(POOL - size + 1, (), generator=generator))
+    return _pools[dtype].as_strided(shape, stride, start)
 
 
 def replay(call: tuple[Any, ...], seed: int) -> str:
