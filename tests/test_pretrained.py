@@ -279,3 +279,45 @@ def test_the_cache_key_holds_the_training_source() -> None:
     assert pretrained.source_sha256(("nn", "model")) != pretrained.source_sha256(("nn",))
     assert pretrained.source_sha256(("nn", "model")) != pretrained.source_sha256(
         ("model", "nn"))
+
+
+def test_comments_docstrings_and_blank_lines_are_not_part_of_the_key(tmp_path) -> None:
+    # Every module that trains, with prose added (a comment, a docstring line, blank lines,
+    # trailing spaces), keeps its code text; a change to what it computes does not.
+    paths = [path for name in assistant.ASSISTANT_MODULES + ("rewards", "rhymes", "rl",
+                                                             "interp")
+             for path in [pretrained.Path(pretrained.__file__).parent / f"{name}.py"]]
+    for path in [*paths, pretrained.Path(pretrained.__file__).parent / "products.cpp"]:
+        source = path.read_text(encoding="utf-8")
+        code = pretrained.code_text(path)
+        copy = tmp_path / path.name
+        comment = "  // a note" if path.suffix == ".cpp" else "  # a note"
+        lines = source.splitlines()
+        # A comment after the first line of code, blank lines and spaces at the end.
+        first = next(i for i, line in enumerate(lines) if line and not line.startswith(
+            ("#", "/", " ", '"')))
+        lines[first] += comment
+        copy.write_text("\n".join(lines) + "\n\n   \n", encoding="utf-8")
+        assert pretrained.code_text(copy) == code, path.name
+        # A line of code more: another code text.
+        copy.write_text(source + ("int x = 0;\n" if path.suffix == ".cpp" else "x = 0\n"),
+                        encoding="utf-8")
+        assert pretrained.code_text(copy) != code, path.name
+
+
+def test_a_docstring_is_prose_and_a_string_in_code_is_not(tmp_path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text('"""Module."""\n\n\ndef f(x):\n    """Twice x.\n\n    More."""\n'
+                      '    s = "# not a comment"  # a comment\n    return 2 * x, s\n',
+                      encoding="utf-8")
+    code = pretrained.code_text(module)
+    assert code == 'def f(x):\n    s = "# not a comment"\n    return 2 * x, s\n'
+    module.write_text(module.read_text().replace("Twice x.", "Double x."), encoding="utf-8")
+    assert pretrained.code_text(module) == code
+    module.write_text(module.read_text().replace("# not a comment", "#"), encoding="utf-8")
+    assert pretrained.code_text(module) != code
+    source = tmp_path / "k.cpp"
+    source.write_text('/* a\n block */ int f() { // line\n  return 2; /* x */ }\n'
+                      'const char* s = "// not a comment";\n', encoding="utf-8")
+    assert [line.strip() for line in pretrained.code_text(source).splitlines()] == [
+        "int f() {", "return 2;         }", 'const char* s = "// not a comment";']

@@ -8,11 +8,12 @@ the stored ones; `tests/test_notebooks_sync.py` fails as soon as a chapter's cod
 cells and its stored notebook's disagree, so the stored outputs cannot drift
 from the chapters.
 
-The stored outputs come with `tests/notebooks/models.json`, the sha256 of
-the weights of every model set-up trains: the chapters print what those
-models say. The CPU kernels are pinned (`minigpt.PINNED_CPU_KERNELS`), so set-up
-trains the same bits on every x86-64 CPU and a re-baseline on any of them
-changes nothing.
+The stored outputs come with `tests/notebooks/models.json`: for every model
+set-up trains, its cache key, the sha256 and size of its weights and the sha256
+of its record (`minigpt.published`): the chapters print what those models say,
+and a published model is fetched only if it is that one. The CPU kernels are
+pinned (`minigpt.PINNED_CPU_KERNELS`), so set-up trains the same bits on every
+x86-64 CPU and a re-baseline on any of them changes nothing.
 
 After an intended change of a chapter (or of package code whose printed
 results a chapter shows), run
@@ -48,6 +49,7 @@ from nbclient import NotebookClient
 
 # Importing minigpt pins the CPU kernels (minigpt.PINNED_CPU_KERNELS) in this process's
 # environment, which every kernel it starts inherits.
+from minigpt import published
 from minigpt.catalogue import MODELS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -198,10 +200,11 @@ def baseline(chapter: Path, timeout: int = DEFAULT_TIMEOUT) -> Path:
     return store(execute(read_chapter(chapter), cwd=chapter.parent, timeout=timeout), chapter)
 
 
-def model_hashes() -> dict[str, str]:
-    """name -> sha256 of the weights of every model in `minigpt.catalogue.MODELS`, loaded
-    (and verified) from the cache that set-up filled."""
-    return {name: load()[2].manifest["weights_sha256"] for name, load in MODELS.items()}
+def model_hashes() -> dict[str, dict[str, Any]]:
+    """name -> what a published copy of each model in `minigpt.catalogue.MODELS` must be
+    (`minigpt.published.entry`: its cache key, its weights' sha256 and size, its record's
+    sha256), read from the cache that set-up filled (each model loaded and verified)."""
+    return {name: published.entry(load()[2].path) for name, load in MODELS.items()}
 
 
 def store_model_hashes() -> Path:

@@ -808,7 +808,7 @@ def pretrained_command(given: dict[str, Any], argv: list[str]) -> int:
     for name in s.only or list(catalogue.MODELS):
         model, _, info = catalogue.MODELS[name](progress=not s.quiet)
         what = (f"trained in {catalogue.train_seconds(info):.0f} s" if info.built
-                else "loaded and verified")
+                else "fetched and verified" if info.fetched else "loaded and verified")
         print(f"{name} model ({model.num_parameters():,} parameters, "
               f"{catalogue.summary(info)}): {what}; {info.path}")
     return 0

@@ -12,25 +12,32 @@ chapter, `book_model()` prints nothing whether it loads or trains (a reader who 
 set-up waits a few minutes, and sees the same outputs): only `logging` at INFO says which.
 The cached model is two files:
 
-    model.pt        the weights (a state dict: tensors only)
-    manifest.json   the key, everything the key was hashed from, the sha256 of model.pt,
-                    and what training measured (losses, times)
+    model.safetensors  the weights (a state dict in the safetensors format: tensors only,
+                       read without unpickling anything)
+    manifest.json      the key, everything the key was hashed from, the sha256 of the
+                       weights, and what training measured (losses, evaluations, times)
 
 The key is a hash of everything that determines the weights: the model configuration, the
 training settings (seed included), the corpus's sha256, the tokenizer, the split, the thread
-count, the PyTorch version, the CPU kernels it runs and the source of the package's modules
-that train it (`TRAINING_MODULES`: any change to their code rebuilds it). Later calls load
-the cache in seconds, with `torch.load(weights_only=True)`, after checking it: a manifest
-that is unreadable or describes another recipe, a weights file whose hash differs from the
-manifest's or that does not load into the model, is reported (a `RuntimeWarning` and a log
-line) and the model is rebuilt; a damaged cache is never used. Files are written atomically
-(temporary file, then rename), the manifest last, so an interrupted build leaves no cache
-that looks complete.
+count, the PyTorch version, the CPU kernels it runs and the code of the package's modules
+that train it (`TRAINING_MODULES`: any change to their code rebuilds it; their comments,
+docstrings and blank lines are not part of it, `code_text`). Later calls load the cache in
+seconds after checking it: a manifest that is unreadable or describes another recipe, a
+weights file whose hash differs from the manifest's or that does not load into the model,
+is reported (a `RuntimeWarning` and a log line) and the model is rebuilt; a damaged cache is
+never used. Files are written atomically (temporary file, then rename), the manifest last, so
+an interrupted build leaves no cache that looks complete.
+
+A model missing from the cache is fetched, if it is published (`minigpt.published`: the
+book's site serves every set-up model, and `tests/notebooks/models.json` holds the hashes a
+fetched model must have), before it is trained.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import functools
 import hashlib
 import io
 import json
@@ -39,14 +46,15 @@ import os
 import shutil
 import sys
 import time
+import tokenize
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import safetensors.torch
 import torch
 from filelock import FileLock
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -70,7 +78,7 @@ TRAINING_MODULES = ("__init__", "assets", "attention", "checkpoint", "config", "
                     "pretrained", "products", "tokenizer", "train")
 #: Optimiser steps of the modern book model.
 MODERN_BOOK_STEPS = 400
-WEIGHTS_NAME = "model.pt"
+WEIGHTS_NAME = "model.safetensors"
 MANIFEST_NAME = "manifest.json"
 
 
@@ -143,6 +151,7 @@ class ModelInfo:
         key: the cache key (hex).
         path: the cache folder, `<cache>/models/<key>/`.
         built: True if this call trained the model, False if it loaded it.
+        fetched: True if this call fetched the model (`minigpt.published`) and loaded it.
         load_seconds: wall time of this call's loading (or building) step.
         manifest: the manifest: recipe, metrics (final losses, train_seconds, ...) and the
             training history (per-step loss, evaluations).
@@ -153,6 +162,7 @@ class ModelInfo:
     built: bool
     load_seconds: float
     manifest: dict[str, Any]
+    fetched: bool = False
 
     @property
     def metrics(self) -> dict[str, Any]:
@@ -185,16 +195,98 @@ def key_material(recipe: Recipe, text: str) -> dict[str, Any]:
 
 
 def source_sha256(modules: tuple[str, ...]) -> str:
-    """sha256 of the source of these modules of the package (names and bytes, in order; a
-    module's C++ source, as ``products.cpp``, after its Python)."""
+    """sha256 of the code of these modules of the package (names and `code_text`, in order;
+    a module's C++ source, as ``products.cpp``, after its Python)."""
     digest = hashlib.sha256()
     for name in modules:
         for path in (Path(__file__).parent / f"{name}.py", Path(__file__).parent / f"{name}.cpp"):
             if path.suffix == ".py" or path.is_file():
-                source = path.read_bytes()
-                digest.update(f"\0{path.name}\0{len(source)}\0".encode())
-                digest.update(source)
+                code = _package_code(path).encode("utf-8")
+                digest.update(f"\0{path.name}\0{len(code)}\0".encode())
+                digest.update(code)
     return digest.hexdigest()
+
+
+@functools.cache
+def _package_code(path: Path) -> str:
+    """`code_text` of a file of the package, read once a process: the code it imported."""
+    return code_text(path)
+
+
+def code_text(path: Path) -> str:
+    """The source of a Python or C++ file without what cannot change what it computes: its
+    comments, its docstrings (any statement that is a string alone), trailing spaces and
+    blank lines. What is left is still the file's own text, so it does not depend on the
+    Python that reads it."""
+    source = path.read_text(encoding="utf-8")
+    spans = _python_prose(source) if path.suffix == ".py" else _cpp_comments(source)
+    starts = [0]  # the offset of each line's first character
+    for line in source.splitlines(keepends=True):
+        starts.append(starts[-1] + len(line))
+    chars = list(source)
+    for (line0, col0), (line1, col1) in spans:
+        for i in range(starts[line0 - 1] + col0, starts[line1 - 1] + col1):
+            if chars[i] != "\n":
+                chars[i] = " "
+    lines = (line.rstrip() for line in "".join(chars).splitlines())
+    return "\n".join(line for line in lines if line) + "\n"
+
+
+Span = tuple[tuple[int, int], tuple[int, int]]  # (line, column) from, to; lines from 1
+
+
+def _python_prose(source: str) -> list[Span]:
+    """Where a Python source has comments and string-only statements (docstrings)."""
+    spans: list[Span] = [(t.start, t.end) for t in tokenize.generate_tokens(
+        io.StringIO(source).readline) if t.type == tokenize.COMMENT]
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+                and isinstance(node.value.value, str)):
+            assert node.end_lineno is not None and node.end_col_offset is not None
+            spans.append(((node.lineno, _column(source, node.lineno, node.col_offset)),
+                          (node.end_lineno, _column(source, node.end_lineno,
+                                                    node.end_col_offset))))
+    return spans
+
+
+def _column(source: str, line: int, byte_offset: int) -> int:
+    """The character column of `ast`'s UTF-8 byte offset into a line."""
+    text = source.splitlines(keepends=True)[line - 1]
+    return len(text.encode("utf-8")[:byte_offset].decode("utf-8"))
+
+
+def _cpp_comments(source: str) -> list[Span]:
+    """Where a C++ source has ``//`` and ``/* */`` comments (outside string and character
+    literals)."""
+    spans: list[Span] = []
+    line, col, i, quote = 1, 0, 0, ""
+    start = (0, 0)
+    mode = "code"  # or "line", "block"
+    while i < len(source):
+        c, pair = source[i], source[i:i + 2]
+        step = 1
+        if mode == "code":
+            if quote:
+                if c == "\\":
+                    step = 2
+                elif c == quote:
+                    quote = ""
+            elif c in "\"'":
+                quote = c
+            elif pair in ("//", "/*"):
+                mode, start, step = ("line" if pair == "//" else "block"), (line, col), 2
+        elif mode == "line" and c == "\n":
+            spans.append((start, (line, col)))
+            mode = "code"
+        elif mode == "block" and pair == "*/":
+            spans.append((start, (line, col + 2)))
+            mode, step = "code", 2
+        for ch in source[i:i + step]:
+            line, col = (line + 1, 0) if ch == "\n" else (line, col + 1)
+        i += step
+    if mode != "code":
+        spans.append((start, (line, col)))
+    return spans
 
 
 def environment() -> dict[str, Any]:
@@ -236,8 +328,8 @@ def _load(folder: Path, key: str, material: dict[str, Any]) -> tuple[GPT, dict[s
         raise CacheError(f"{WEIGHTS_NAME} is corrupted: sha256 {actual[:12]}... differs from "
                          f"the manifest's {str(manifest.get('weights_sha256'))[:12]}...")
     try:
-        state = torch.load(weights_path, map_location="cpu", weights_only=True)
-    except Exception as err:  # torch raises many types for a damaged or foreign file
+        state = safetensors.torch.load(weights_path.read_bytes())
+    except Exception as err:  # safetensors raises its own error, or others, for a bad file
         raise CacheError(f"{WEIGHTS_NAME} is unreadable ({type(err).__name__})") from None
     model = GPT(GPTConfig(**material["model_config"]))
     try:
@@ -299,9 +391,7 @@ def _store(folder: Path, key: str, material: dict[str, Any], built: Built,
     the matrix products building it computed, `minigpt.products.census`); return it, on the
     CPU in eval mode, and its manifest."""
     model = built[0].to("cpu").eval()
-    buffer = io.BytesIO()
-    torch.save(model.state_dict(), buffer)
-    weights = buffer.getvalue()
+    weights = weights_bytes(model)
     manifest = {
         "key": key,
         "key_material": material,
@@ -319,6 +409,13 @@ def _store(folder: Path, key: str, material: dict[str, Any], built: Built,
     return model, manifest
 
 
+def weights_bytes(model: torch.nn.Module) -> bytes:
+    """The model's state dict in the safetensors format (each tensor its own copy: tied
+    weights are written twice, which the format requires)."""
+    return safetensors.torch.save({name: tensor.detach().contiguous().clone()
+                                   for name, tensor in model.state_dict().items()})
+
+
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" + ("" if n == 1 else "s")
 
@@ -334,7 +431,7 @@ def load_or_build(recipe: Recipe, text: str, *, progress: bool = False,
     trained (and cached) otherwise. See `book_model`."""
     if not isinstance(text, str) or len(text) < 2:
         raise ValueError("text must be a string of at least two characters")
-    model, info = cached_model(key_material(recipe, text), partial(
+    model, info = cached_model(key_material(recipe, text), functools.partial(
         _train_recipe, recipe, text, progress), progress=progress, cache=cache)
     return model, CharTokenizer.from_text(text), info
 
@@ -352,23 +449,37 @@ def cached_model(material: dict[str, Any], build: Builder, *, progress: bool = F
     # Loading builds a GPT (random initial weights) and training seeds torch: fork the
     # generator so that the caller's random state is the same whichever path is taken.
     with torch.random.fork_rng(devices=[]), _locked(models / f".{key[:20]}.lock"):
-        loaded = None
-        if folder.exists():
-            try:
-                loaded = _load(folder, key, material)
-            except CacheError as why:
-                message = f"the cached model in {folder} is not used: {why}; rebuilding it"
-                log.warning(message)
-                warnings.warn(message, RuntimeWarning, stacklevel=4)
+        loaded = _load_or_warn(folder, key, material, "cached") if folder.exists() else None
+        fetched = False
+        if loaded is None:
+            # Fetching decides none of the weights (they are checked against the stored
+            # hashes): not a training module, so imported here, outside the key.
+            from minigpt import published
+            if published.fetch(key, folder, progress=progress, say=say):
+                loaded = _load_or_warn(folder, key, material, "fetched")
+                fetched = loaded is not None
         built = loaded is None
         if loaded is None:
             with products.census() as calls:
                 made = build(say, folder)
             loaded = _store(folder, key, material, made, calls)
         model, manifest = loaded
-    info = ModelInfo(key=key, path=folder, built=built,
+    info = ModelInfo(key=key, path=folder, built=built, fetched=fetched,
                      load_seconds=time.perf_counter() - start, manifest=manifest)
     return model, info
+
+
+def _load_or_warn(folder: Path, key: str, material: dict[str, Any],
+                  how: str) -> tuple[GPT, dict[str, Any]] | None:
+    """`_load`, or None after a warning that says why the ``how`` (cached, fetched) model
+    is not used."""
+    try:
+        return _load(folder, key, material)
+    except CacheError as why:
+        message = f"the {how} model in {folder} is not used: {why}; rebuilding it"
+        log.warning(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=5)
+        return None
 
 
 def book_model(*, progress: bool = False,

@@ -1,0 +1,259 @@
+"""The book's trained models, published beside its site: fetched, verified, never trusted.
+
+Set-up trains every model the chapters load (`minigpt.catalogue.MODELS`: about 40
+CPU-minutes on a 2-core machine). The workflow that publishes the site also publishes each
+of them (`tools/publish.py`) in a folder ``models/`` beside the pages:
+
+    <weights sha256>.safetensors   the weights, as the cache holds them (tensors only)
+    <record sha256>.json           the model's manifest (`record_sha256`)
+    index.json                     name -> what tests/notebooks/models.json holds for it
+
+What a fetched model must be is never read from the server: the repository's
+`tests/notebooks/models.json` (`INDEX`) holds, for each model, the cache key it was trained
+at, the sha256 and size of its weights and the sha256 of its record (its manifest without
+what a rerun measures differently: times and speeds, `VOLATILE`). `fetch`, called by
+`minigpt.pretrained.cached_model` for a model missing from the cache, looks its key up
+there, downloads the weights from `base_url()` while hashing them, and keeps the model only
+if the hash, the size and the record all match; it is then written to the cache as a
+trained model would be (weights first, manifest last, each atomically). Anything else (no
+site configured, fetching turned off, the server unreachable or silent, a file missing,
+truncated or not the one expected) is said, in one line, and `fetch` returns False: the
+model is trained, as it would be without a site. Nothing half-written stays in the cache.
+
+Where from: ``$MINIGPT_MODELS_URL``, an ``http://``, ``https://`` or ``file://`` address of
+such a folder, or ``off``; unset, the book's own site: `_config.yml`'s ``repository.url``
+(``https://github.com/OWNER/NAME``) gives ``https://OWNER.github.io/NAME/models``. With no
+repository configured (or outside a clone of the book), nothing is fetched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+import sys
+import tempfile
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from minigpt.files import atomic_write, sha256_file
+from minigpt.pretrained import MANIFEST_NAME, WEIGHTS_NAME
+
+log = logging.getLogger(__name__)
+
+#: The clone of the book this package is installed from (an editable install).
+ROOT = Path(__file__).resolve().parents[2]
+#: What each published model must be: name -> key, weights' sha256 and size, record's sha256.
+INDEX = ROOT / "tests" / "notebooks" / "models.json"
+CONFIG = ROOT / "_config.yml"
+#: The environment variable that says where the published models are, or ``off``.
+URL_VARIABLE = "MINIGPT_MODELS_URL"
+#: Seconds to wait for a server to connect or to send the next bytes.
+TIMEOUT = 30.0
+#: A manifest larger than this is not one of the book's (theirs are under 2 MB).
+MAX_MANIFEST_BYTES = 64 << 20
+#: What a rerun of the same training measures differently (times and speeds): left out of
+#: a manifest's record. Everything else in a manifest follows from the weights' training.
+VOLATILE = {"metrics": ("median_step_ms", "tokens_per_second", "train_seconds",
+                        "total_seconds", "train_cpu_seconds"),
+            "history": ("step_ms",)}
+
+
+class FetchError(RuntimeError):
+    """Why a published model is not used (said in one line, then the model is trained)."""
+
+
+def record(manifest: dict[str, Any]) -> dict[str, Any]:
+    """The manifest without its `VOLATILE` entries."""
+    kept = dict(manifest)
+    for part, names in VOLATILE.items():
+        if isinstance(kept.get(part), dict):
+            kept[part] = {k: v for k, v in kept[part].items() if k not in names}
+    return kept
+
+
+def record_sha256(manifest: dict[str, Any]) -> str:
+    """sha256 of the canonical JSON (sorted keys, no spaces) of the manifest's `record`."""
+    canonical = json.dumps(record(manifest), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def entry(folder: Path) -> dict[str, Any]:
+    """What `INDEX` holds of the model cached in ``folder`` (already verified by loading)."""
+    manifest = json.loads((folder / MANIFEST_NAME).read_text(encoding="utf-8"))
+    return {"key": manifest["key"], "weights_sha256": manifest["weights_sha256"],
+            "weights_bytes": (folder / WEIGHTS_NAME).stat().st_size,
+            "record_sha256": record_sha256(manifest)}
+
+
+def index() -> dict[str, dict[str, Any]]:
+    """`INDEX`: name -> `entry`; empty outside a clone of the book."""
+    if not INDEX.is_file():
+        return {}
+    stored: dict[str, dict[str, Any]] = json.loads(INDEX.read_text(encoding="utf-8"))
+    return stored
+
+
+def base_url() -> str | None:
+    """Where the published models are (no trailing slash), or None: fetch nothing."""
+    given = os.environ.get(URL_VARIABLE)
+    if given is not None:
+        given = given.strip()
+        if given == "off":
+            return None
+        if not given.startswith(("http://", "https://", "file://")):
+            raise ValueError(f"{URL_VARIABLE}={given!r} is not an address: give the http://, "
+                             "https:// or file:// address of a folder of published models "
+                             "(tools/publish.py writes one), or 'off' to fetch nothing")
+        return given.rstrip("/")
+    if not CONFIG.is_file():
+        return None
+    found = re.search(r"^repository:\s*\n(?:\s+#.*\n|\s+\w+:.*\n)*?\s+url:\s*[\"']?"
+                      r"https://github\.com/([\w.-]+)/([\w.-]+?)(?:\.git)?/?[\"']?\s*(?:#.*)?$",
+                      CONFIG.read_text(encoding="utf-8"), flags=re.MULTILINE)
+    if found is None:
+        return None
+    owner, name = found.groups()
+    return f"https://{owner.lower()}.github.io/{name}/models"
+
+
+def fetch(key: str, folder: Path, *, progress: bool = False,
+          say: Callable[[str], None] = log.info) -> bool:
+    """Fetch the published model of cache key ``key`` into the cache folder ``folder``;
+    False, after saying why, if it is not published, not reachable or not the one `INDEX`
+    holds (the caller then trains it)."""
+    url = base_url()
+    if url is None:
+        return False
+    found = [(name, e) for name, e in index().items() if e["key"] == key]
+    if not found:
+        return False
+    name, expected = found[0]
+    partial = None
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder.parent, prefix=f".{folder.name}.", suffix=".tmp")
+        os.close(fd)
+        partial = Path(tmp)
+        weights_url = f"{url}/{expected['weights_sha256']}.safetensors"
+        _download(weights_url, partial, expected["weights_sha256"], expected["weights_bytes"],
+                  label=f"{name} model", progress=progress)
+        manifest = _manifest(f"{url}/{expected['record_sha256']}.json", key, expected)
+        if folder.exists():
+            shutil.rmtree(folder)  # whatever was there was found unusable
+        folder.mkdir(parents=True)
+        os.replace(partial, folder / WEIGHTS_NAME)
+        partial = None
+        atomic_write(folder / MANIFEST_NAME, (json.dumps(manifest, indent=1) + "\n").encode())
+    except FetchError as why:
+        say(f"the {name} model is not fetched: {why}; it is trained instead")
+        return False
+    finally:
+        if partial is not None:
+            partial.unlink(missing_ok=True)
+    say(f"the {name} model is fetched from {url} ({expected['weights_bytes'] / 1e6:.1f} MB), "
+        "its sha256 the one tests/notebooks/models.json holds")
+    return True
+
+
+def _download(url: str, path: Path, sha256: str, size: int, *, label: str,
+              progress: bool) -> None:
+    """Write what ``url`` serves to ``path``, hashing it as it arrives; `FetchError` unless
+    it is ``size`` bytes of sha256 ``sha256``."""
+    digest, got = hashlib.sha256(), 0
+    bar = tqdm(total=size, unit="B", unit_scale=True, desc=f"fetching the {label}",
+               disable=not (progress and sys.stderr.isatty()), leave=False)
+    with _answers(url) as response, path.open("wb") as out, bar:
+        while chunk := _read(response, url):
+            got += len(chunk)
+            if got > size:
+                raise FetchError(f"{url} sends more than the {size:,} bytes expected")
+            digest.update(chunk)
+            out.write(chunk)
+            bar.update(len(chunk))
+    if got < size:
+        raise FetchError(f"{url} ended after {got:,} of {size:,} bytes (truncated)")
+    if digest.hexdigest() != sha256:
+        raise FetchError(f"{url} has sha256 {digest.hexdigest()[:12]}..., not the "
+                         f"{sha256[:12]}... that tests/notebooks/models.json holds")
+
+
+def _manifest(url: str, key: str, expected: dict[str, Any]) -> dict[str, Any]:
+    """The manifest ``url`` serves, if it is the record `INDEX` holds for ``key``."""
+    with _answers(url) as response:
+        data = b""
+        while chunk := _read(response, url):
+            data += chunk
+            if len(data) > MAX_MANIFEST_BYTES:
+                raise FetchError(f"{url} sends more than {MAX_MANIFEST_BYTES:,} bytes")
+    try:
+        manifest = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise FetchError(f"{url} is not a JSON manifest ({type(err).__name__})") from None
+    if not isinstance(manifest, dict) or record_sha256(manifest) != expected["record_sha256"]:
+        raise FetchError(f"{url} is not the record that tests/notebooks/models.json holds "
+                         "(its sha256 differs)")
+    if manifest.get("key") != key or manifest.get("weights_sha256") != expected["weights_sha256"]:
+        raise FetchError(f"{url} is the record of another model than its entry in "
+                         "tests/notebooks/models.json (key or weights differ)")
+    return manifest
+
+
+def _answers(url: str) -> Any:
+    """The open response of ``url``; `FetchError` says why there is none."""
+    try:
+        return urllib.request.urlopen(url, timeout=TIMEOUT)  # noqa: S310 (http, https, file)
+    except urllib.error.HTTPError as err:
+        raise FetchError(f"{url} answered HTTP {err.code} ({err.reason})") from None
+    except urllib.error.URLError as err:
+        if isinstance(err.reason, TimeoutError | socket.timeout):
+            raise FetchError(f"{url} did not answer within {TIMEOUT:g} s") from None
+        raise FetchError(f"{url} is unreachable ({err.reason})") from None
+    except TimeoutError:
+        raise FetchError(f"{url} did not answer within {TIMEOUT:g} s") from None
+    except (OSError, http.client.HTTPException) as err:
+        raise FetchError(f"{url} is unreachable ({type(err).__name__}: {err})") from None
+
+
+def _read(response: Any, url: str) -> bytes:
+    """The next bytes of ``response``; `FetchError` if the server stops or breaks off."""
+    try:
+        chunk: bytes = response.read(1 << 16)
+    except TimeoutError:
+        raise FetchError(f"{url} stopped sending for {TIMEOUT:g} s") from None
+    except http.client.IncompleteRead:
+        raise FetchError(f"{url} broke off before its end (truncated)") from None
+    except (OSError, http.client.HTTPException) as err:
+        raise FetchError(f"the connection to {url} broke ({type(err).__name__})") from None
+    return chunk
+
+
+def publish(folder: Path, out: Path) -> dict[str, Any]:
+    """Copy the model cached in ``folder`` into the published folder ``out``, named by its
+    hashes; its `entry`."""
+    found = entry(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    weights = out / f"{found['weights_sha256']}.safetensors"
+    _link_or_copy(folder / WEIGHTS_NAME, weights)
+    assert sha256_file(weights) == found["weights_sha256"]
+    _link_or_copy(folder / MANIFEST_NAME, out / f"{found['record_sha256']}.json")
+    return found
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    """``target`` as a hard link to ``source`` where the file system allows, else a copy."""
+    target.unlink(missing_ok=True)
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copyfile(source, target)

@@ -1,0 +1,62 @@
+"""Publish the book's models beside its site: every model set-up trained, named by its hash.
+
+    .venv/bin/python tools/publish.py _build/html/models
+
+Each model of `minigpt.catalogue.MODELS` is loaded from the cache set-up filled (and
+verified), compared with what `tests/notebooks/models.json` holds for it, and copied into
+the folder (`minigpt.published.publish`): ``<weights sha256>.safetensors``,
+``<record sha256>.json`` and an ``index.json`` of them all. A model that is not the one
+`models.json` holds is not published: the command says which and fails, so a site never
+serves models its chapters were not made with (``--unless-stale``: nor fails). `make book`
+runs it, so the site the workflow publishes carries its models; a reader's set-up then
+fetches from there (`minigpt.published`). Files are hard links into the cache where it can
+(no second copy), else copies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from minigpt import published
+from minigpt.catalogue import MODELS
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folder", type=Path, help="where to write the published models")
+    parser.add_argument("--unless-stale", action="store_true",
+                        help="if a cached model is not the one models.json holds (the code "
+                             "that trains it changed), say so and publish nothing, without "
+                             "failing (make book)")
+    args = parser.parse_args(argv)
+    if args.folder.exists() and not args.folder.is_dir():
+        parser.error(f"{args.folder} is a file, not a folder")
+    stored = published.index()
+    if sorted(stored) != sorted(MODELS):
+        parser.error(f"{published.INDEX} does not list the book's models: `make baseline` "
+                     "writes it from set-up's cache")
+    index, differ = {}, []
+    for name, load in MODELS.items():
+        info = load()[2]
+        entry = published.entry(info.path)
+        if entry != stored[name]:
+            differ.append(name)
+            continue
+        index[name] = published.publish(info.path, args.folder)
+    if differ:
+        print(f"models not published: {', '.join(differ)} differ from "
+              f"{published.INDEX.relative_to(published.ROOT)} (the cache holds other models "
+              "than the chapters were made with)", file=sys.stderr)
+        return 0 if args.unless_stale else 1
+    (args.folder / "index.json").write_text(json.dumps(index, indent=1, sort_keys=True) + "\n",
+                                            encoding="utf-8")
+    size = sum(e["weights_bytes"] for e in index.values())
+    print(f"{len(index)} models ({size / 1e6:.1f} MB) published in {args.folder}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
