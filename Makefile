@@ -27,7 +27,7 @@ PY := $(BIN)/python
 STAMP := $(VENV)/.installed
 NPM_STAMP := node_modules/.installed
 
-.PHONY: book pdf test unit nbval setup assets book-model playground system-deps baseline lint linkcheck clean
+.PHONY: book pdf test reproduce unit nbval setup assets book-model playground system-deps baseline lint linkcheck clean
 
 # pip would byte-compile every module of every package it installs, PyTorch's thousands of
 # modules that the book never imports included (a minute on one core); --no-compile leaves
@@ -178,6 +178,7 @@ book: playground
 	MINIGPT_CENSUS=$(CURDIR)/_build/census PYTHONHASHSEED=0 \
 		$(PY) tools/execute_chapters.py --jobs $(CHAPTER_JOBS)
 	PYTHONHASHSEED=0 $(BIN)/jupyter-book build --all --warningiserror --keep-going --path-output . .
+	$(PY) tools/publish.py --unless-stale _build/html/models
 	touch $(BOOK_STAMP)
 
 $(BOOK_STAMP): $(BOOK_SOURCES)
@@ -191,6 +192,12 @@ $(BOOK_STAMP): $(BOOK_SOURCES)
 # settings ($(BOOK_STAMP)): `make pdf` right after `make book` only prints.
 pdf: $(BOOK_STAMP) system-deps
 	$(PY) tools/make_pdf.py
+
+# Every model trained afresh (an empty cache, nothing fetched: MINIGPT_MODELS_URL=off), then
+# every test, which compares each with tests/notebooks/models.json: the proof that the
+# published models are what the code trains. The weekly workflow reproduce.yml runs it.
+reproduce:
+	MINIGPT_CACHE=$$(mktemp -d) MINIGPT_MODELS_URL=off $(MAKE) test
 
 # The lint first (a lint failure fails at once), then every test: the package's (hypothesis
 # searching thoroughly), the chapters' outputs of the build just made compared with the

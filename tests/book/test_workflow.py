@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKFLOWS = ROOT / ".github" / "workflows"
 WORKFLOW = WORKFLOWS / "book.yml"
 LINKS = WORKFLOWS / "links.yml"
+REPRODUCE = WORKFLOWS / "reproduce.yml"
 
 
 def _workflow(path: Path = WORKFLOW) -> dict[str, Any]:
@@ -82,7 +83,7 @@ def _actionlint() -> str:
 
 def test_actionlint_finds_nothing() -> None:
     files = sorted(WORKFLOWS.glob("*.y*ml"))
-    assert WORKFLOW in files and LINKS in files
+    assert WORKFLOW in files and LINKS in files and REPRODUCE in files
     result = subprocess.run([_actionlint(), "-no-color", *map(str, files)],
                             capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -234,6 +235,23 @@ def test_the_link_check_runs_weekly_and_on_demand_and_keeps_its_report() -> None
     assert upload[0]["with"]["path"].startswith("_build/linkcheck/")
     makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
     assert re.search(r"^linkcheck:.*\n\t\$\(PY\) tools/linkcheck\.py$", makefile, re.MULTILINE)
+
+
+def test_every_model_is_trained_afresh_weekly_and_checked() -> None:
+    # `make reproduce`: `make test` in an empty cache with fetching off, so that set-up
+    # trains every model and test_reproducible compares each with models.json.
+    reproduce = _workflow(REPRODUCE)
+    assert set(reproduce["on"]) == {"schedule", "workflow_dispatch"}
+    (cron,) = [entry["cron"] for entry in reproduce["on"]["schedule"]]
+    minute, hour, day, month, weekday = cron.split()
+    assert day == month == "*" and weekday.isdigit(), f"not weekly: {cron}"
+    assert _run_commands("reproduce", REPRODUCE) == ["make reproduce"]
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    assert re.search(r"^reproduce:\n\tMINIGPT_CACHE=\$\$\(mktemp -d\) MINIGPT_MODELS_URL=off "
+                     r"\$\(MAKE\) test$", makefile, re.MULTILINE)
+    # and the site the test job builds carries the models (make book publishes them).
+    assert re.search(r"^\t\$\(PY\) tools/publish\.py --unless-stale _build/html/models$",
+                     makefile, re.MULTILINE)
 
 
 def test_make_unit_torch_puts_that_torch_in_a_venv_of_its_own() -> None:
