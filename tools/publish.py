@@ -38,19 +38,16 @@ def main(argv: list[str] | None = None) -> int:
     if sorted(stored) != sorted(MODELS):
         parser.error(f"{published.INDEX} does not list the book's models: `make baseline` "
                      "writes it from set-up's cache")
-    index, differ = {}, []
-    for name, load in MODELS.items():
-        info = load()[2]
-        entry = published.entry(info.path)
-        if entry != stored[name]:
-            differ.append(name)
-            continue
-        index[name] = published.publish(info.path, args.folder)
-    if differ:
+    folders = {name: load()[2].path for name, load in MODELS.items()}
+    index = {name: published.entry(folder) for name, folder in folders.items()}
+    differ = [name for name in index if index[name] != stored[name]]
+    if differ:  # checked before anything is written: a stale cache publishes nothing
         print(f"models not published: {', '.join(differ)} differ from "
               f"{published.INDEX.relative_to(published.ROOT)} (the cache holds other models "
               "than the chapters were made with)", file=sys.stderr)
         return 0 if args.unless_stale else 1
+    for name, folder in folders.items():
+        published.publish(folder, args.folder, index[name])
     (args.folder / "index.json").write_text(json.dumps(index, indent=1, sort_keys=True) + "\n",
                                             encoding="utf-8")
     size = sum(e["weights_bytes"] for e in index.values())

@@ -46,7 +46,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from minigpt.files import atomic_write, sha256_file
+from minigpt.files import atomic_write
 from minigpt.pretrained import MANIFEST_NAME, WEIGHTS_NAME
 
 log = logging.getLogger(__name__)
@@ -238,14 +238,12 @@ def _read(response: Any, url: str) -> bytes:
     return chunk
 
 
-def publish(folder: Path, out: Path) -> dict[str, Any]:
-    """Copy the model cached in ``folder`` into the published folder ``out``, named by its
-    hashes; its `entry`."""
-    found = entry(folder)
+def publish(folder: Path, out: Path, found: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Put the model cached (and verified) in ``folder`` into the published folder ``out``,
+    named by its hashes; its `entry` (``found``, if the caller has it already)."""
+    found = entry(folder) if found is None else found
     out.mkdir(parents=True, exist_ok=True)
-    weights = out / f"{found['weights_sha256']}.safetensors"
-    _link_or_copy(folder / WEIGHTS_NAME, weights)
-    assert sha256_file(weights) == found["weights_sha256"]
+    _link_or_copy(folder / WEIGHTS_NAME, out / f"{found['weights_sha256']}.safetensors")
     _link_or_copy(folder / MANIFEST_NAME, out / f"{found['record_sha256']}.json")
     return found
 
