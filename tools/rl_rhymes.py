@@ -11,7 +11,15 @@ the chapter's held-out words, or with ``--validation`` on as many other held-out
 none of the chapter's. The recipe's rates were chosen so: for each method, the rate of
 1e-4, 3e-4, 6e-4, 1.2e-3 (SFT) or 1e-3 (GRPO, rejection sampling) with the best validation
 pass@1 among those that kept the older families' exact match within 0.03 of the cold
-start's; the chapter prints that sweep.
+start's. The chapter prints that sweep from book/data/rewards_sweep.jsonl, made so (one
+thread a run, about two minutes each; the rows record the cold start's cache key, and the
+chapter prints whether it is the one it continues):
+
+    for m in grpo rft; do for lr in 0.0001 0.0003 0.001; do .venv/bin/python
+        tools/rl_rhymes.py --validation --json book/data/rewards_sweep.jsonl
+        --method $m --lr $lr; done; done
+    (the same for sft-random and sft-frequent at 0.0003 0.0006 0.0012, and once
+    with --method cold, first)
 
 Prints the seconds of training (wall-clock and CPU), the evaluation and the samples to
 three words; ``--json`` appends the run's numbers as one line. One thread; seeded, a run is
@@ -58,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("the cold start is the cached one: --steps and --lr continue it, with a method")
 
     torch.set_num_threads(1)
-    start, tok, _ = rewards.cold_model()
+    start, tok, cold_info = rewards.cold_model()
     data = rewards_data()
     if args.validation:  # as many held-out words again, none of the chapter's
         chapter = set(data.eval_rhymes)
@@ -79,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     ev = evaluate_run(model, start, tok, data, seed=args.seed)
     numbers = {k: v for k, v in ev.items() if k not in ("words", "answers", "greedy_answers")}
     row = {"method": args.method, "seed": args.seed, "validation": args.validation,
+           "cold_start_key": cold_info.key,
            "steps": steps, "lr": lr, "seconds": round(seconds, 1), "cpu_seconds": round(cpu, 1),
            **numbers, **{f"{k}_last10": statistics.fmean(v[-10:]) for k, v in history.items()}}
     print(json.dumps(row, indent=1))

@@ -137,6 +137,12 @@ def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: KLKind = "k3") -> Tensor:
     k1 = -d, unbiased but negative on every token pi_ref likes more than pi does;
     k3 = e^d - 1 - d, also unbiased (E_pi[e^d] = sum_y pi_ref(y) = 1) and never negative,
     with less variance when the two are close. Shapes are kept.
+
+    Unbiased for the KL's value, not for its gradient: differentiated as a loss, with the
+    sampled tokens held fixed, k1's expected gradient is 0 and k3's is the gradient of the
+    other divergence, KL(pi_ref || pi) (Tang and Munos, 2025). The gradient of
+    KL(pi || pi_ref) itself is E_pi[k1 grad log pi]: k1 as a penalty on the reward. The
+    rewards chapter computes all of them exactly on a small policy.
     """
     d = ref_logp - logp
     return -d if kind == "k1" else torch.expm1(d) - d
@@ -172,7 +178,9 @@ def grpo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, 
         advantages: (N,) each answer's advantage (`group_advantages`, flattened).
         mask: (N, L) bool, True on the answers' tokens (their end token included).
         clip: epsilon > 0. ref_logp: (N, L) under the reference, needed if kl_coef > 0.
-        kl_coef: beta >= 0. kl: "k1" or "k3" (`kl_estimate`).
+        kl_coef: beta >= 0. kl: "k1" or "k3" (`kl_estimate`): in this loss, k3 pulls the
+            policy along the gradient of KL(pi_ref || pi), and k1 not at all on average
+            (its expected gradient is 0; it is here to show that).
         length_norm: "sequence" or "constant". max_tokens: the constant (>= 1).
     Returns: a scalar.
 
