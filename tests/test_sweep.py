@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from minigpt import GPTConfig
 from minigpt.config import TrainConfig
-from minigpt.sweep import RunPool, paired_difference, student_t_cdf, train_many
+from minigpt.sweep import RunPool, paired_difference, student_t_cdf, train_many, welch_difference
 from minigpt.train import train
 
 DATA = np.random.default_rng(0).integers(0, 11, 4000).astype(np.uint16)
@@ -112,7 +112,31 @@ def test_paired_difference_reads_the_pairs() -> None:
     assert math.isnan(paired_difference([1.0, 2.0], [1.0, 2.0]).t)
 
 
+def test_welch_difference_follows_its_definition() -> None:
+    a, b = [0.109, 0.107, 0.113], [0.093, 0.086, 0.078]
+    got = welch_difference(a, b)
+    va, vb = np.var(a, ddof=1) / 3, np.var(b, ddof=1) / 3
+    assert got.mean == pytest.approx(np.mean(a) - np.mean(b))
+    assert got.se == pytest.approx(math.sqrt(va + vb))
+    assert got.dof == pytest.approx((va + vb) ** 2 / (va**2 / 2 + vb**2 / 2))
+    assert 2 <= got.dof <= 4  # between the smaller group's n - 1 and n_a + n_b - 2
+    assert got.p_two_sided == pytest.approx(2 * student_t_cdf(-abs(got.t), got.dof))
+    # Equal sizes and spreads: Student's pooled test, n_a + n_b - 2 degrees of freedom.
+    even = welch_difference([1.0, 2.0, 3.0], [0.0, 1.0, 2.0])
+    assert even.dof == pytest.approx(4.0) and even.t == pytest.approx(math.sqrt(1.5))
+    assert welch_difference(b, a).t == pytest.approx(-got.t)
+
+
+def test_t_cdf_takes_fractional_degrees_between_its_neighbours() -> None:
+    # fewer degrees of freedom, heavier tails
+    assert student_t_cdf(-2.0, 2) > student_t_cdf(-2.0, 2.5) > student_t_cdf(-2.0, 3)
+
+
 def test_bad_input_to_the_t_test_is_refused() -> None:
+    with pytest.raises(ValueError, match="at least two values each"):
+        welch_difference([1.0], [1.0, 2.0])
+    with pytest.raises(ValueError, match="both groups are constant"):
+        welch_difference([1.0, 1.0], [2.0, 2.0])
     with pytest.raises(ValueError, match="same length >= 2"):
         paired_difference([1.0], [1.0])
     with pytest.raises(ValueError, match="same length >= 2"):

@@ -7,7 +7,8 @@ result does not depend on which process ran it or what ran beside it: `train_man
 exactly what calling `train` on each run in turn (with one thread) returns.
 
 `paired_difference` reads an ablation: a change against a reference, seed by seed, with a
-paired t-test.
+paired t-test; `welch_difference` compares two groups of runs that are not paired (Welch's
+t-test).
 """
 
 from __future__ import annotations
@@ -146,8 +147,45 @@ def paired_difference(values: Sequence[float] | np.ndarray,
     return Paired(mean, se, t, p)
 
 
-def student_t_cdf(x: float, dof: int) -> float:
-    """P(T <= x) for Student's t distribution with ``dof`` degrees of freedom.
+@dataclass(frozen=True)
+class Welch:
+    """Two groups of runs compared without pairing them (`welch_difference`).
+
+    Attributes:
+        mean: mean(values) - mean(reference). se: its standard error,
+            sqrt(var_a / n_a + var_b / n_b) with each sample variance (n - 1).
+        t: mean / se. dof: the Welch-Satterthwaite degrees of freedom (not an integer).
+        p_two_sided: P(|T| >= |t|) for T Student's t with ``dof`` degrees of freedom.
+    """
+
+    mean: float
+    se: float
+    t: float
+    dof: float
+    p_two_sided: float
+
+
+def welch_difference(values: Sequence[float], reference: Sequence[float]) -> Welch:
+    """Welch's t-test of mean(values) - mean(reference), two groups of at least two runs
+    each whose spreads may differ; at least one group must vary."""
+    a = np.asarray(values, dtype=np.float64)
+    b = np.asarray(reference, dtype=np.float64)
+    if a.ndim != 1 or b.ndim != 1 or len(a) < 2 or len(b) < 2:
+        raise ValueError(f"need two 1-d sequences of at least two values each, got shapes "
+                         f"{a.shape} and {b.shape}")
+    va, vb = float(a.var(ddof=1)) / len(a), float(b.var(ddof=1)) / len(b)
+    if va + vb == 0:
+        raise ValueError("both groups are constant: Welch's test needs some spread")
+    mean = float(a.mean() - b.mean())
+    se = math.sqrt(va + vb)
+    dof = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
+    t = mean / se
+    return Welch(mean, se, t, dof, 2 * student_t_cdf(-abs(t), dof))
+
+
+def student_t_cdf(x: float, dof: float) -> float:
+    """P(T <= x) for Student's t distribution with ``dof`` degrees of freedom (any real
+    dof >= 1: Welch's test gives fractional ones).
 
     With u = sqrt(dof) tan(theta) the density's integral from 0 to x becomes
     Gamma((dof+1)/2) / (sqrt(pi) Gamma(dof/2)) times the integral of cos(theta)^(dof-1)
