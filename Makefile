@@ -236,7 +236,7 @@ baseline: setup
 # ruff, mypy (strict, on the package) and codespell (its settings and the project's word list
 # in pyproject.toml; Shakespeare's spellings and names in tools/codespell-words.txt).
 # `make test` runs this first.
-SPELL_PATHS := book/*.md src tests tools _ext README.md
+SPELL_PATHS := book/*.md src tests tools _ext README.md docs
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
 	$(BIN)/mypy

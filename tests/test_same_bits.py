@@ -46,7 +46,7 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not (sys.platform == "linux" and platform.machine() == "x86_64"),
                        reason="emulates x86-64 CPUs with qemu-user on Linux x86-64; other "
-                              "platforms make other bits (the README's 'What reproduces where')"),
+                              "platforms make other bits (docs/reproducibility.md)"),
 ]
 
 QEMU = "qemu-x86_64"

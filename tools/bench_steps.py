@@ -8,8 +8,8 @@
 conversations: the shapes of a fine-tuning step); ``sample`` samples 200 tokens from the
 cached book model, one sequence, with its key-value cache, ``--steps`` times. Prints the
 products' mode and the median milliseconds of a step or of a sampled token (the first, which
-warms up, not counted). Pair the two modes with a benchmark runner that interleaves them (the
-README's "What reproduces where").
+warms up, not counted). Pair the two modes with a benchmark runner that interleaves them
+(docs/reproducibility.md).
 """
 
 from __future__ import annotations

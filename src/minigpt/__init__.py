@@ -1,9 +1,18 @@
 """minigpt: the GPT that the minigpt book builds, one component at a time.
 
-Data flows one way through the modules: `tokenizer` -> `data` -> `attention` -> `nn`
--> `model` -> `decoding` / `losses` -> `train`; `viz` draws the figures of attention and
-positions, `plots` the plots of numbers, `diagram` the architecture, and `charts` writes
-the interactive figures.
+Data flows one way through the core: `config` -> `tokenizer` -> `data` -> `attention` ->
+`nn` -> `model` -> `decoding` / `losses` -> `optim` -> `train` (`checkpoint`, `parallel`),
+every matrix product summed in one order on every CPU by `products`. The book's cached
+models (`pretrained`, `assistant`, `rewards`, the copiers of `interp`), post-training
+(`chat`, `tasks`, `sft`, `dpo`, `rl`, `rhymes`, `evals`), the inside-the-model tools
+(`interp`) and the figures (`viz`, `plots`, `diagram`, `charts`) import the core, never the
+other way round (the README's "Reading the code").
+
+Where an input is checked: a user's input (a config, a prompt, a file, a path) is checked
+where it enters, by the function a chapter, a tool or the command line calls, which raises
+an error saying what was wrong and what is allowed (nothing is silently clamped); past
+that entry the package's invariants are ``assert`` statements, and nothing is checked twice
+(docs/contributing.md).
 """
 
 import os
@@ -18,7 +27,7 @@ import os
 #: take the same AVX2 path; an AMD CPU still takes another branch for some shapes, which the
 #: package never hands MKL (`minigpt.products`, installed below; tests/test_same_bits.py
 #: replays every product the book computes under emulated Intel and AMD CPUs). What the pins
-#: and the products cost is measured in the README ("What reproduces where"). Each pin is read
+#: and the products cost is measured in docs/reproducibility.md. Each pin is read
 #: once, at the first operation torch runs, so they are set here, before minigpt imports
 #: torch; a value already in the environment wins (set ATEN_CPU_CAPABILITY=avx512
 #: MKL_CBWR=AUTO MINIGPT_PRODUCTS=native for speed over reproducibility). Other

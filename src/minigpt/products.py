@@ -6,7 +6,7 @@ a training run that rounds one product differently trains other weights. PyTorch
 products to MKL, and MKL chooses its kernels by the CPU's maker as well as its instructions:
 with `MKL_CBWR=AVX2,STRICT` (`minigpt.PINNED_CPU_KERNELS`) every Intel CPU runs MKL's AVX2
 kernels, but an AMD CPU runs another branch. Measured under `qemu-x86_64 -cpu Haswell` and
-`-cpu EPYC` (the README's "What reproduces where"), the two agree on a product only if
+`-cpu EPYC` (docs/reproducibility.md), the two agree on a product only if
 
 - its inner dimension is at most 192 (`BLOCK`): MKL's Intel kernels sum it in blocks of 192,
   adding each block's partial product into C, the AMD branch in other blocks;
