@@ -19,7 +19,7 @@ ALIASES = {"rl": "rl-grpo-0"}
 
 def names() -> str:
     """The names of `MODELS` and `ALIASES`, for a command's help and errors: the rewards
-    runs as one pattern, not seventeen names."""
+    runs as one pattern, not a name each."""
     runs = [n for n in MODELS if n.startswith("rl-") and n != "rl-cold"]
     others = sorted(n for n in MODELS if n not in runs)
     methods = ", ".join(rewards.METHODS)

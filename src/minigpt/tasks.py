@@ -3,9 +3,9 @@
 Each task is a question about a line of the plays, or about one of its words, whose answer a
 program can check: the line's first or last word, a word reversed, in capitals, its number
 of letters (spelled out, as the book's alphabet has few digits): skills that the book's
-model learns from a few thousand examples in CPU minutes. (Knowledge does not come so
-cheap: asked for the word that ends a held-out line, the fine-tuned model was right about
-one time in a hundred, and that family was dropped.)
+model learns from a few thousand examples in CPU minutes. No task asks for what a model
+would have to remember of the plays: knowledge does not come so cheap (asked for the word
+that ends a held-out line, a fine-tuned model was right about one time in a hundred).
 
 `make_tasks` draws them, deterministically given a seed, into a training split and a
 held-out split that share no source line, and no word that a word task asks about

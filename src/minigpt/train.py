@@ -368,7 +368,8 @@ def _model_for(model: GPT | GPTConfig, config: TrainConfig,
 
 def _check_data_ids(name: str, data: np.ndarray | ExampleSet, vocab_size: int) -> None:
     """Every id of the data lies in [0, vocab_size): checked once here, where the data enter,
-    since the forward pass checks ids only on the CPU (`minigpt.model._check_id_range`)."""
+    since the forward pass does not check them: PyTorch's embedding refuses an id out of
+    range on a CPU, but on a GPU it may read memory it should not."""
     if isinstance(data, ExampleSet):
         low = min(int(s.min()) for s in data.sequences)
         high = max(int(s.max()) for s in data.sequences)
