@@ -132,11 +132,12 @@ setup: $(STAMP) $(NPM_STAMP) assets book-model
 # The playground's models (minigpt.export): the book model, the modern model and the assistant
 # sft-0 exported to ONNX from the cache, each checked with onnxruntime against PyTorch on
 # held-out text, into _playground/playground/ (with playground.json), which Sphinx copies to
-# _build/html/_static/playground/. Made afresh by every `make book`, never committed: in the
+# _build/html/_static/playground/. Made by every `make book` (tools/playground.py), or copied
+# from the export kept in the cache when nothing it reads has changed; never committed: in the
 # first lane, once its models are trained, while the other lane still trains (a model it
 # needs that another lane is training, it waits for).
 playground: $(STAMP) $(NPM_STAMP) assets
-	$(call train_lanes,rm -rf _playground && $(PY) -m minigpt.export _playground/playground)
+	$(call train_lanes,rm -rf _playground && $(PY) tools/playground.py _playground/playground)
 
 # Headless Chromium and its driver for the browser test (Debian packages; the
 # test drives /usr/bin/chromium through /usr/bin/chromedriver, nothing is downloaded),
@@ -156,14 +157,19 @@ system-deps:
 			$(SYSTEM_PACKAGES) >/dev/null; \
 	fi
 
-# Every chapter is executed afresh on every build (no stale outputs when only src/ changed):
-# a fresh Sphinx environment (--all, and no old doctrees) and an empty execution cache.
-# tools/execute_chapters.py fills that cache with the chapters executed two at a time (each
-# runs on one thread), as myst-nb would execute them; Sphinx then finds every chapter there
-# and executes nothing again. Warnings are errors; --keep-going reports all of them before
-# failing. PYTHONHASHSEED is the same here, under nbval and in `make baseline`. Each chapter's
-# kernel records the matrix products it computes in _build/census (MINIGPT_CENSUS,
-# minigpt.products), which tools/census.py gathers with set-up's into
+# Every build starts from a fresh Sphinx environment (--all, and no old doctrees) and an empty
+# execution cache, which tools/execute_chapters.py fills with the chapters executed two at a
+# time (each runs on one thread), as myst-nb would execute them; Sphinx then finds every
+# chapter there and executes nothing again. A chapter whose inputs (its code cells, the
+# package's code, the book's data, the stored models' hashes, the installed distributions,
+# the steering environment) are those of an execution kept in the cache (chapters/ under
+# $MINIGPT_CACHE, by default ~/.cache/minigpt) is
+# not executed again: the kept notebook goes into the execution cache
+# (`make book FRESH_CHAPTERS=1` executes them all). Warnings are errors; --keep-going reports
+# all of them before failing. PYTHONHASHSEED is the same here, under nbval and in `make
+# baseline`. Each chapter's kernel records the matrix products it computes in
+# _build/census/CHAPTER/ (MINIGPT_CENSUS, minigpt.products; a kept chapter's record is
+# written back there), which tools/census.py gathers with set-up's into
 # tests/notebooks/products.json.
 CHAPTER_JOBS ?= 2
 # A successful build leaves the stamp _build/.built, which `make pdf` compares with what the
@@ -176,7 +182,7 @@ book: playground
 	rm -rf _build/.doctrees _build/html _build/jupyter_execute _build/.jupyter_cache \
 		_build/census $(BOOK_STAMP)
 	MINIGPT_CENSUS=$(CURDIR)/_build/census PYTHONHASHSEED=0 \
-		$(PY) tools/execute_chapters.py --jobs $(CHAPTER_JOBS)
+		$(PY) tools/execute_chapters.py --jobs $(CHAPTER_JOBS) $(if $(FRESH_CHAPTERS),--fresh)
 	PYTHONHASHSEED=0 $(BIN)/jupyter-book build --all --warningiserror --keep-going --path-output . .
 	$(PY) tools/publish.py --unless-stale _build/html/models
 	touch $(BOOK_STAMP)

@@ -3,12 +3,16 @@ looks it up, longest chapters first; a failing chapter is reported, not cached."
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import ROOT, load_baseline_tool, load_tool
 
 tool = load_tool("execute_chapters")
+kept = load_tool("kept")
 baseline = load_baseline_tool()
 CHAPTERS = baseline.notebook_chapters()
 SETTINGS = tool.book_settings()
@@ -103,3 +107,73 @@ def test_the_book_is_built_with_it() -> None:
     makefile = (ROOT / "Makefile").read_text("utf-8")
     book = makefile[makefile.index("\nbook:"):makefile.index("\n\n", makefile.index("\nbook:"))]
     assert "$(PY) tools/execute_chapters.py" in book.split("jupyter-book build")[0]
+
+
+# A chapter whose output differs at each execution (a fresh random number), and which
+# computes one matrix product for the census.
+DRAW = ("```{code-cell} ipython3\nimport random, torch, minigpt\n"
+        "torch.ones(5, 20) @ torch.ones(20, 13)\nprint(random.random())\n```\n")
+
+
+def _drawn(chapter: Path) -> str:
+    record = json.loads(kept.record_path("chapters", chapter.stem).read_text("utf-8"))
+    (cell,) = [c for c in record["record"]["notebook"]["cells"] if c["cell_type"] == "code"]
+    return str(cell["outputs"][0]["text"])
+
+
+def test_a_chapter_is_executed_again_only_when_its_code_or_inputs_change(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("MINIGPT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("MINIGPT_CENSUS", str(tmp_path / "census"))
+    # The worker process finds `execute` by its module's name, as when the tool is run.
+    monkeypatch.setitem(sys.modules, "execute_chapters", tool)
+    root = tmp_path / "root"
+    (root / "book").mkdir(parents=True)
+    chapter = root / "book" / "draw.md"
+    chapter.write_text(HEADER + "# Draws\n\n" + DRAW, "utf-8")
+    settings = {**SETTINGS, "cache": tmp_path / "jupyter_cache"}
+
+    def run(**kwargs: Any) -> str:
+        assert tool.run([chapter], settings, jobs=1, census=tmp_path / "census", root=root,
+                        **kwargs) == 0
+        return _drawn(chapter)
+
+    first = run()
+    journalled = tool.journal(tmp_path / "census" / "draw")
+    assert len(journalled) == 1 and json.loads(journalled[0])[0] == "mm"
+    assert "executed in" in capsys.readouterr().out
+    assert run() == first  # kept: an execution would have drawn another number
+    assert "kept from an execution with the same inputs" in capsys.readouterr().out
+    assert tool.journal(tmp_path / "census" / "draw") == journalled  # its census written back
+    from jupyter_cache import get_cache
+    (record,) = get_cache(settings["cache"]).list_cache_records()
+    assert Path(record.uri) == chapter  # where the build looks it up
+    chapter.write_text(HEADER + "# Draws, retitled\n\nProse only.\n\n" + DRAW, "utf-8")
+    assert run() == first  # prose is not an input
+    (root / "book" / "data").mkdir()
+    (root / "book" / "data" / "table.json").write_text("[]", "utf-8")
+    second = run()
+    assert second != first  # a data file is
+    assert run(fresh=True) != second
+    chapter.write_text(HEADER + DRAW.replace("print(", "print('drawn', "), "utf-8")
+    assert run().startswith("drawn")  # and so is code
+
+
+def test_the_key_reads_the_code_cells_the_settings_and_whether_a_census_is_kept(
+        tmp_path: Path) -> None:
+    chapter = tmp_path / "c.md"
+    chapter.write_text(HEADER + "Prose.\n\n" + DRAW, "utf-8")
+    nb = tool.read_chapter(chapter, SETTINGS["extensions"])
+    environ = {"HOME": "/root", "MINIGPT_CENSUS": "/a"}
+    key = tool.memo_key(nb, SETTINGS, "files", environ)
+    chapter.write_text(HEADER + "Other prose.\n\n" + DRAW, "utf-8")
+    assert tool.memo_key(tool.read_chapter(chapter, SETTINGS["extensions"]), SETTINGS,
+                         "files", environ) == key
+    chapter.write_text(HEADER + DRAW + DRAW, "utf-8")
+    assert tool.memo_key(tool.read_chapter(chapter, SETTINGS["extensions"]), SETTINGS,
+                         "files", environ) != key
+    assert tool.memo_key(nb, SETTINGS, "other files", environ) != key
+    assert tool.memo_key(nb, {**SETTINGS, "timeout": 1}, "files", environ) != key
+    assert tool.memo_key(nb, SETTINGS, "files", {**environ, "MINIGPT_CENSUS": "/b"}) == key
+    assert tool.memo_key(nb, SETTINGS, "files", {"HOME": "/root"}) != key  # no census kept

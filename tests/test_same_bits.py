@@ -19,6 +19,13 @@ two makers' CPUs sum in different orders, show that the comparison can fail; the
 compares the two emulated CPUs, so that it holds on an Intel host as on an AMD one. The
 census is checked to be what the book computes (`tools/census.py`).
 
+Each emulated CPU's output is kept in the cache (`tools/kept.py`) under a key over
+everything the emulated run reads (`emulation_key`): the tool, the package's code, the book's
+data and stored models' hashes, the census, the model's weights, the installed distributions,
+Python, the steering environment and qemu itself. It is emulated again whenever one of them
+changes (a comment or docstring is not code); the native run is run every time and compared
+with it. An empty cache (`make reproduce`) emulates both CPUs.
+
 `make test` installs Debian's `qemu-user` (`make system-deps`); on Linux x86-64 without it
 these tests fail and say so. Elsewhere (arm64, macOS, Windows) they do not apply.
 """
@@ -41,6 +48,7 @@ from helpers import ROOT, load_tool
 
 import minigpt
 from minigpt import pretrained
+from minigpt.files import sha256_file
 
 pytestmark = [
     pytest.mark.slow,
@@ -70,11 +78,38 @@ def _qemu() -> str:
     return path
 
 
+def _clean(**env: str) -> dict[str, str]:
+    """The environment of a run: without the kernel pins (importing minigpt sets them, as in
+    a reader's process) but ``env``."""
+    return {k: v for k, v in os.environ.items() if k not in minigpt.PINNED_CPU_KERNELS} | env
+
+
+def emulation_key(cpu: str, model: Path, environ: dict[str, str]) -> str:
+    """The key (`tools/kept.py`) of what `tools/same_bits.py` reads when emulated as ``cpu``
+    with the weights ``model`` in the environment ``environ``: the tool, the files the
+    package's runs read, the census, the weights, qemu, and what every key reads."""
+    kept = load_tool("kept")
+    return str(kept.key({"cpu": cpu, "tool": sha256_file(TOOL), "files": kept.files_digest(),
+                         "census": sha256_file(CENSUS), "weights": sha256_file(model),
+                         "qemu": sha256_file(Path(_qemu()))}, environ))
+
+
+def _emulated(cpu: str, model: Path) -> dict[str, Any]:
+    """The tool's output under qemu as ``cpu``: the one kept under the same key, or a new
+    run's, then kept."""
+    kept = load_tool("kept")
+    key = emulation_key(cpu, model, _clean())
+    output = kept.recall("same-bits", cpu, key)
+    if output is None:
+        output = _run(cpu, "--model", str(model), "--census", str(CENSUS))
+        kept.keep("same-bits", cpu, key, output)
+    return dict(output)
+
+
 def _run(cpu: str | None, *args: str, **env: str) -> dict[str, Any]:
-    """tools/same_bits.py's output, natively (cpu None) or under qemu as ``cpu``, in an
-    environment without the kernel pins but ``env``: importing minigpt sets them, as in a
-    reader's process."""
-    clean = {k: v for k, v in os.environ.items() if k not in minigpt.PINNED_CPU_KERNELS} | env
+    """tools/same_bits.py's output, natively (cpu None) or under qemu as ``cpu``, in the
+    environment `_clean` gives with ``env``."""
+    clean = _clean(**env)
     command = [sys.executable, str(TOOL), *args]
     if cpu is not None:
         command = [_qemu(), "-cpu", cpu, *command]
@@ -97,13 +132,12 @@ def trained_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(trained_model: Path) -> dict[str | None, dict[str, Any]]:
-    """The tool's output natively and under each emulated CPU, run side by side."""
+    """The tool's output natively and under each emulated CPU (kept or run), side by side."""
     _qemu()
     with ThreadPoolExecutor(len(CPUS) + 1) as pool:
-        futures = {cpu: pool.submit(_run, cpu, "--model", str(trained_model), "--census",
-                                    str(CENSUS))
-                   for cpu in (None, *CPUS)}
-        return {cpu: future.result() for cpu, future in futures.items()}
+        futures = {cpu: pool.submit(_emulated, cpu, trained_model) for cpu in CPUS}
+        native = _run(None, "--model", str(trained_model), "--census", str(CENSUS))
+        return {None: native} | {cpu: future.result() for cpu, future in futures.items()}
 
 
 @pytest.mark.parametrize("cpu", CPUS)
@@ -164,3 +198,16 @@ def test_the_census_is_what_the_book_computes() -> None:
     tool = load_tool("census")
     assert tool.text(tool.gather()) == CENSUS.read_text(encoding="utf-8"), (
         "tests/notebooks/products.json is stale: run .venv/bin/python tools/census.py")
+
+
+def test_an_emulated_run_is_kept_under_what_it_reads(tmp_path: Path) -> None:
+    model = tmp_path / "book.pt"
+    model.write_bytes(b"weights")
+    environ = {"HOME": "/root"}
+    key = emulation_key("Haswell", model, environ)
+    assert emulation_key("EPYC", model, environ) != key
+    assert emulation_key("Haswell", model, {**environ, "TERM": "dumb"}) == key
+    for steering in ("MKL_CBWR", "MINIGPT_PRODUCTS", "ATEN_CPU_CAPABILITY"):
+        assert emulation_key("Haswell", model, {**environ, steering: "x"}) != key, steering
+    model.write_bytes(b"other weights")
+    assert emulation_key("Haswell", model, environ) != key

@@ -43,7 +43,7 @@ def gather(build: Path = BUILD) -> dict[str, list[Any]]:
         if "products" not in manifest:
             raise SystemExit(f"{name}: its manifest has no census of products; retrain it")
         setup += manifest["products"]
-    files = sorted(build.glob("*.jsonl"))
+    files = sorted(build.rglob("*.jsonl"))  # a folder a chapter
     if not files:
         raise SystemExit(f"no census of the chapters in {build}: run `make book` first")
     chapters = [json.loads(line) for path in files
