@@ -3,19 +3,17 @@ eval, assets and pretrained. Each command is a section below: its flags (plain a
 then the function that runs it.
 
 A value is checked where it enters. A flag of the command line's own (``--steps``,
-``--threads``, ``--device``, ``--model``, ...) is checked by its argparse ``type`` or
-``choices``. A flag named for a field of one of the package's validated models (train's
-`GPTConfig` and `TrainConfig`: ``--d-model`` sets ``d_model``; sample's `SampleSettings`)
-is left to that model: a flag not given leaves the field at the model's default, which the
-flag's help shows, and a value the model refuses is reported under the flag that set it
-(`build`).
+``--device``, ``--model``, ...) is checked by its argparse ``type`` or ``choices``. A flag
+named for a field of a validated model of the package (train's `GPTConfig` and
+`TrainConfig`: ``--d-model`` sets ``d_model``; sample's `SampleSettings`) is left to that
+model: not given, the field keeps the model's default, which the flag's help shows; refused,
+the field's error is reported under the flag that set it (`build`).
 
 `train --nproc-per-node N` starts N processes with torch's own launcher; under torchrun
 (`torchrun --nproc-per-node 2 -m minigpt sft ...`) train, sft and dpo train data-parallel:
 every rank trains and scores its share of each evaluation, rank 0 alone prints, scores the
 final exact match and writes. A bad input is one line on stderr: exit 2 for a usage error
-(a flag's value, or flags that do not go together), 1 for any other failure, 130 when
-interrupted.
+(a flag's value, flags that do not go together), 1 for any other, 130 when interrupted.
 """
 
 from __future__ import annotations
@@ -215,12 +213,14 @@ def add_train(commands: Commands) -> None:
     p = add_command(commands, "train", train_command, "train a GPT on a text file (defaults: "
                     "nanoGPT's CPU recipe for character-level Shakespeare)")
     r = p.add_argument_group("run")
-    r.add_argument("--out", type=Path, required=True, help="folder of the run's files")
+    r.add_argument("--out", type=Path, required=True,
+                   help="folder of checkpoint.pt, metrics.json, history.json, the ids")
     r.add_argument("--resume", action="store_true", help="continue the run in --out with its "
                    "own settings (--max-steps and --device may change)")
     r.add_argument("--stop-at", type=at_least(0), help="stop (and checkpoint) at this step")
     r.add_argument("--threads", type=at_least(1), help="torch threads (default: PyTorch's)")
-    r.add_argument("--compile", action="store_true", help="torch.compile the steps")
+    r.add_argument("--compile", action="store_true", help="torch.compile the steps (needs a "
+                   "C++ compiler)")
     r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                    help="show a progress bar (default: %(default)s)")
     r.add_argument("--nproc-per-node", type=at_least(1), help="processes to start (torchrun)")
