@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import inspect
 import json
 import math
 import os
@@ -38,7 +39,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 from tqdm import tqdm
 
-from minigpt import assets, assistant, catalogue, data, parallel, pretrained, rewards
+from minigpt import assets, assistant, catalogue, data, evals, parallel, pretrained, rewards
 from minigpt.assistant import ASSISTANT_RECIPE
 from minigpt.bpe import DEFAULT_BPE_VOCAB_SIZE, get_tokenizer
 from minigpt.chat import chat_loop
@@ -179,6 +180,11 @@ def fields(args: argparse.Namespace, model: type[BaseModel]) -> dict[str, Any]:
 def default(model: type[BaseModel], name: str) -> Any:
     """The default of a field of ``model``, for its flag's help to show."""
     return model.model_fields[name].default
+
+
+def keyword_default(function: Callable[..., Any], name: str) -> Any:
+    """The default of ``function``'s keyword ``name``: a flag that passes it on keeps it."""
+    return inspect.signature(function).parameters[name].default
 
 
 def flags_of(parser: argparse.ArgumentParser) -> dict[str, str]:
@@ -717,7 +723,8 @@ def add_chat(commands: Commands) -> None:
     p = add_command(commands, "chat", chat_command, "talk with a fine-tuned model in the "
                     "terminal")
     add_start(p, "sft-0")
-    p.add_argument("--max-new-tokens", type=at_least(1), default=32,
+    p.add_argument("--max-new-tokens", type=at_least(1),
+                   default=keyword_default(chat_loop, "max_new_tokens"),
                    help="the longest answer, in tokens (default: %(default)s)")
 
 
@@ -737,7 +744,8 @@ def add_eval(commands: Commands) -> None:
     p = add_command(commands, "eval", eval_command, "print the benchmark table of a model")
     add_start(p, "sft-0")
     add_task_flags(p)
-    p.add_argument("--items", type=at_least(1), default=1000,
+    p.add_argument("--items", type=at_least(1),
+                   default=keyword_default(evals.benchmark_table, "n_items"),
                    help="multiple-choice items (default: %(default)s)")
 
 
