@@ -312,6 +312,10 @@ def test_train_error_paths_on_files(tmp_path: Path, text_file: Path,
 def test_resume_refuses_new_settings(trained: Path, capsys: pytest.CaptureFixture[str]) -> None:
     _fails(["train", "--out", str(trained), "--resume", "--lr", "0.1"], capsys, 1,
            "drop --lr (only --max-steps and --device may change)")
+    # What it may change is checked by the run's TrainConfig, under its flag.
+    _fails(["train", "--out", str(trained), "--resume", "--max-steps", "-1"], capsys, 2,
+           "minigpt train: error: argument --max-steps: Input should be greater than or equal "
+           "to 0 (got -1)")
 
 
 @pytest.mark.parametrize(("cuda", "flags", "needle"), [

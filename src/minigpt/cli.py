@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import inspect
 import json
 import math
@@ -338,8 +339,8 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
                            if k not in _RESUMABLE and v != p.get_default(k)):
             raise ValueError(f"--resume continues the run saved in --out with its own settings;"
                              f" drop {', '.join(extra)} (only --max-steps and --device may change)")
-        shape, config, tokenizer = saved_settings(args.out, **{k: v for k, v in vars(
-            args).items() if k in ("max_steps", "device")})
+        shape, config, tokenizer = build(functools.partial(saved_settings, args.out), args, **{
+            k: v for k, v in vars(args).items() if k in ("max_steps", "device")})
     else:
         if args.global_batch_size is not None and "grad_accum" in args:
             raise ValueError("give --global-batch-size or --grad-accum, not both: the global "
