@@ -1,9 +1,9 @@
 """`python -m minigpt COMMAND`, driven through `minigpt.cli.main`: `train` and `sample` on a
 tiny text, `sft`, `dpo`, `chat` and `eval` on tiny models trained for a few steps (help, a
-piped conversation, the context's limit), the flags written out against the settings
-models they set, and the clear errors of each (a base model where a chat model is needed,
-an empty data set, a device this machine lacks, a backend the resumed run's device cannot
-use)."""
+piped conversation, the context's limit), `rl` on a tiny chat model, each flag's check
+where it enters (one line naming the flag, what it was given and what it takes), and the
+clear errors of each command (a base model where a chat model is needed, an empty data
+set, a device this machine lacks, a backend the resumed run's device cannot use)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers import load_tool
 from test_assistant import play
 
 from minigpt import GPT, GPTConfig
@@ -261,23 +262,30 @@ def _fails(argv: list[str], capsys: pytest.CaptureFixture[str], code: int, *need
     [
         (["--text", "/no/such/file.txt"], 1, ["/no/such/file.txt: no such file"]),
         (["--text", "/dev/null"], 1, ["/dev/null is not a regular file"]),
-        (["--lr", "-1"], 2, ["--lr", "greater than 0"]),
+        (["--lr", "-1"], 2, ["argument --lr: Input should be greater than 0 (got -1.0)"]),
         (["--lr", "fast"], 2, ["argument --lr: invalid float value"]),
         (["--batch-size", "1.5"], 2, ["argument --batch-size: invalid int value: '1.5'"]),
         (["--max-step", "3"], 2, ["unrecognized arguments: --max-step"]),
-        (["--n-heads", "3"], 2, ["--d-model (=16) must be divisible by --n-heads (=3)"]),
+        (["--n-heads", "3"], 2, ["d_model (=16) must be divisible by n_heads (=3)"]),
         (["--dropout", "1.5"], 2, ["--dropout", "less than 1"]),
         (["--tokenizer", "words"], 2, ["invalid choice: 'words'"]),
         (["--bpe-vocab-size", "300"], 2, ["--bpe-vocab-size applies only with --tokenizer bpe"]),
-        (["--max-steps", "1"], 2, ["--warmup-steps (=2) must not exceed --decay-steps (=1",
-                                    "raise --max-steps"]),
-        (["--min-lr", "1"], 2, ["--min-lr (=1.0) must not exceed --lr (=0.001)"]),
-        (["--device", "tpu9"], 2, ["--device: 'tpu9' is not a torch device"]),
+        (["--max-steps", "1"], 2, ["warmup_steps (=2) must not exceed decay_steps (=1",
+                                    "raise max_steps"]),
+        (["--min-lr", "1"], 2, ["min_lr (=1.0) must not exceed lr (=0.001)"]),
+        (["--device", "tpu9"], 2, ["argument --device: 'tpu9' is not a torch device"]),
         (["--device", "meta"], 2, ["--device: 'meta': models run on cpu, cuda or cuda:N"]),
         (["--context-length", "5000"], 1, ["needs more than context_length=5000"]),
-        (["--threads", "0"], 2, ["--threads: Input should be greater than or equal to 1"]),
-        (["--nproc-per-node", "0"], 2, ["--nproc-per-node: Input should be greater than or"]),
-        (["--master-port", "70000"], 2, ["--master-port: Input should be less than or equal"]),
+        (["--threads", "0"], 2, ["argument --threads: must be an integer >= 1, got '0'"]),
+        (["--threads", "two"], 2, ["argument --threads: must be an integer >= 1, got 'two'"]),
+        (["--stop-at", "-1"], 2, ["argument --stop-at: must be an integer >= 0, got '-1'"]),
+        (["--nproc-per-node", "0"], 2, ["argument --nproc-per-node: must be an integer >= 1"]),
+        (["--global-batch-size", "0"], 2, ["argument --global-batch-size: must be an integer"]),
+        (["--tokenizer", "bpe", "--bpe-vocab-size", "1"], 2,
+         ["argument --bpe-vocab-size: must be an integer >= 2, got '1'"]),
+        (["--master-port", "70000"], 2, ["argument --master-port: must be a port, 1 to 65535, "
+                                         "got '70000'"]),
+        (["--master-port", "x"], 2, ["argument --master-port: must be a port"]),
     ],
 )
 def test_train_errors(tmp_path: Path, text_file: Path, capsys: pytest.CaptureFixture[str],
@@ -304,6 +312,10 @@ def test_train_error_paths_on_files(tmp_path: Path, text_file: Path,
 def test_resume_refuses_new_settings(trained: Path, capsys: pytest.CaptureFixture[str]) -> None:
     _fails(["train", "--out", str(trained), "--resume", "--lr", "0.1"], capsys, 1,
            "drop --lr (only --max-steps and --device may change)")
+    # What it may change is checked by the run's TrainConfig, under its flag.
+    _fails(["train", "--out", str(trained), "--resume", "--max-steps", "-1"], capsys, 2,
+           "minigpt train: error: argument --max-steps: Input should be greater than or equal "
+           "to 0 (got -1)")
 
 
 @pytest.mark.parametrize(("cuda", "flags", "needle"), [
@@ -521,59 +533,24 @@ def _usage_and_help(command: str, capsys: pytest.CaptureFixture[str],
     return " ".join(usage.split()), helps
 
 
-def _settings() -> dict[str, list[Any]]:
-    import minigpt.cli as cli
+@pytest.mark.parametrize("command", ["train", "sample"])
+def test_the_help_shows_the_package_models_defaults(
+        command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every default that train's and sample's flags show is the field's in the package's
+    model (the CPU preset's for the model's shape), written once, there. A required flag has
+    none; one whose default is None (or False, for a flag that can only turn a setting on)
+    says what happens in words."""
     from minigpt.sample import SampleSettings
 
-    return {"train": [cli.TrainFlags, GPTConfig, TrainConfig], "sample": [SampleSettings],
-            "sft": [cli.SftSettings], "dpo": [cli.DpoSettings], "chat": [cli.ChatSettings],
-            "eval": [cli.EvalSettings], "assets": [cli.AssetsSettings],
-            "pretrained": [cli.PretrainedSettings], "rl": [cli.RlSettings]}
-
-
-@pytest.mark.parametrize("command", ["train", "sample", "sft", "dpo", "chat", "eval", "assets",
-                                     "pretrained", "rl"])
-def test_each_flag_sets_a_field_of_its_command_s_settings(
-        command: str, capsys: pytest.CaptureFixture[str]) -> None:
-    """The flags, written out in the parser, and the settings models they set agree: every
-    field has its flag (vocab_size comes from the text), every flag a field (else what it is
-    given would be dropped), a --no- flag only for a bool, and a flag with choices offers the
-    field's Literal values."""
-    from types import UnionType
-    from typing import Literal, Union, get_args, get_origin
-
-    usage, _ = _usage_and_help(command, capsys)
-    flags = set(re.findall(r"--[a-z0-9-]+", usage)) - {"--help"}
-    fields = {name: field for model in _settings()[command]
-              for name, field in model.model_fields.items() if name != "vocab_size"}
-    negated = {f for f in flags if f.startswith("--no-") and "--" + f[5:] in flags}
-    assert flags - negated == {"--" + name.replace("_", "-") for name in fields}
-    for name, field in fields.items():
-        kind = field.annotation
-        if get_origin(kind) in (Union, UnionType):  # X | None: a flag of X
-            kind = next(a for a in get_args(kind) if a is not type(None))
-        assert (("--no-" + name.replace("_", "-")) in negated) <= (kind is bool), name
-        if get_origin(kind) is Literal:
-            shown = f"--{name.replace('_', '-')} {{{','.join(get_args(kind))}}}"
-            assert shown in usage, (name, shown)
-
-
-@pytest.mark.parametrize("command", ["train", "sample", "sft", "dpo", "chat", "eval", "assets",
-                                     "pretrained", "rl"])
-def test_the_help_shows_the_settings_defaults(
-        command: str, capsys: pytest.CaptureFixture[str]) -> None:
-    """Every default a flag's help shows is its field's (the CPU preset's for the model's
-    shape): written once, in the settings model. A required flag has none; one whose default
-    is None (or False, for a flag that can only turn a setting on) says what happens in
-    words."""
     _, helps = _usage_and_help(command, capsys)
-    defaults = {name: field.default for model in _settings()[command]
-                for name, field in model.model_fields.items() if not field.is_required()}
     if command == "train":
-        defaults |= GPTConfig.shakespeare_cpu(65).model_dump() | TrainConfig().model_dump()
+        defaults = GPTConfig.shakespeare_cpu(65).model_dump() | TrainConfig().model_dump()
         for derived in ("vocab_size", "d_ff", "decay_steps"):  # from the text, D, max_steps
             defaults.pop(derived)
         defaults["warmup_steps"] = TrainConfig.model_fields["warmup_steps"].default
+    else:
+        defaults = {name: field.default for name, field in SampleSettings.model_fields.items()
+                    if not field.is_required()}
     for name, value in defaults.items():
         option = "--" + name.replace("_", "-")
         if value is None or (value is False and "--no-" + option[2:] not in helps):
@@ -581,6 +558,31 @@ def test_the_help_shows_the_settings_defaults(
         shown = repr(value) if name == "prompt" else str(value)
         assert re.search(re.escape(f"(default: {shown}") + "[),;]", helps[option]), (
             option, helps[option])
+
+
+def test_a_usage_error_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    # argparse's own errors too: no usage block before the line that says what is wrong.
+    assert main(["train", "--out", "x", "--lr", "fast"]) == 2
+    assert capsys.readouterr().err == (
+        "minigpt train: error: argument --lr: invalid float value: 'fast'\n")
+    assert main(["sample", "--checkpoint", "x", "--top-p", "0"]) == 2
+    assert capsys.readouterr().err == ("minigpt sample: error: argument --top-p: Input should "
+                                       "be greater than 0 (got 0.0)\n")
+
+
+def test_the_cached_models_are_named_in_one_help(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # `pretrained --help` names them; every other screen that takes --model points there.
+    monkeypatch.setenv("COLUMNS", "1000")  # no line broken inside a name (copy-|mix-50)
+    screens = {}
+    for command in ([], ["train"], ["sample"], ["sft"], ["dpo"], ["rl"], ["chat"], ["eval"],
+                    ["assets"], ["pretrained"]):
+        assert main([*command, "--help"]) == 0
+        screens[" ".join(command)] = " ".join(capsys.readouterr().out.split())
+    naming = [name for name, text in screens.items() if "copy-mix-50" in text]
+    assert naming == ["pretrained"] and "rl-METHOD-SEED" in screens["pretrained"]
+    for command in ("sft", "dpo", "rl", "chat", "eval"):
+        assert "`python -m minigpt pretrained --help` names them" in screens[command]
 
 
 def test_train_keeps_the_thread_count_unless_told(
@@ -705,7 +707,7 @@ def test_eval_scores_the_tasks_the_assistants_hold_out(
                  "--n-test", "5"]) == 0
     expected = assistant.assistant_tasks(recipe)
     assert given["tasks"] == expected.test and given["shots"] == expected.train
-    defaults, book = minigpt.cli.EvalSettings(), assistant.ASSISTANT_RECIPE
+    defaults, book = minigpt.cli.build_parser().parse_args(["eval"]), assistant.ASSISTANT_RECIPE
     assert (defaults.n_train, defaults.n_test, defaults.task_seed) == (
         book.n_train, book.n_test, book.task_seed)  # the command's defaults are set-up's
 
@@ -723,15 +725,23 @@ def test_eval_scores_the_tasks_the_assistants_hold_out(
      "only 0 first_word tasks can be made from 0 lines"),
     (["eval", "--checkpoint", "{tmp}"], 1, "no checkpoint at"),
     (["sft", "--checkpoint", "{base}", "--out", "{tmp}", "--n-train", "0"], 2,
-     "--n-train: Input should be greater than or equal to 1"),
+     "argument --n-train: must be an integer >= 1, got '0'"),
     (["sft", "--checkpoint", "{base}", "--out", "{tmp}", "--steps", "0"], 2,
-     "--steps: Input should be greater than or equal to 1"),
+     "argument --steps: must be an integer >= 1, got '0'"),
+    (["sft", "--checkpoint", "{base}", "--out", "{tmp}", "--lr", "-0.001"], 2,
+     "argument --lr: must be a finite number > 0, got '-0.001'"),
+    (["sft", "--checkpoint", "{base}", "--out", "{tmp}", "--context-length", "1"], 2,
+     "argument --context-length: must be an integer >= 2, got '1'"),
+    (["sft", "--checkpoint", "{base}", "--out", "{tmp}", "--task-seed", "-2"], 2,
+     "argument --task-seed: must be an integer >= 0, got '-2'"),
+    (["eval", "--checkpoint", "{sft}", "--items", "0"], 2,
+     "argument --items: must be an integer >= 1, got '0'"),
     (["dpo", "--checkpoint", "{sft}", "--out", "{tmp}", "--beta", "0"], 2,
-     "--beta: Input should be greater than 0"),
+     "argument --beta: must be a finite number > 0, got '0'"),
     (["dpo", "--checkpoint", "{sft}", "--out", "{tmp}", "--beta", "inf"], 2,
-     "--beta: Input should be a finite number"),
+     "argument --beta: must be a finite number > 0, got 'inf'"),
     (["chat", "--checkpoint", "{sft}", "--max-new-tokens", "0"], 2,
-     "--max-new-tokens: Input should be greater than or equal to 1"),
+     "argument --max-new-tokens: must be an integer >= 1, got '0'"),
     (["chat", "--checkpoint", "{sft}", "--model", "sft-0"], 2,
      "argument --model: not allowed with argument --checkpoint"),
     (["chat", "--model", "gpt5"], 2, "--model: invalid choice: 'gpt5' (choose from book, "),
@@ -748,10 +758,10 @@ def test_clear_errors(argv: list[str], code: int, message: str, runs: dict[str, 
     assert code == 2 or f"minigpt {argv[0]}: error:" in err
 
 
-def test_rl_continues_a_chat_model_and_writes_a_run_chat_can_load(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # A tiny chat model of the corpus's characters (the rhymes and the older families'
-    # questions are made from the corpus), two steps, and the run's evaluation.
+@pytest.fixture(scope="module")
+def chat_start(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny chat model of the corpus's characters (the rhymes and the older families'
+    questions are made from the corpus), saved as a run."""
     from minigpt.data import shakespeare_text
     from minigpt.tokenizer import CHAT_TOKENS, with_special_tokens
 
@@ -759,35 +769,95 @@ def test_rl_continues_a_chat_model_and_writes_a_run_chat_can_load(
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=chat.vocab_size, context_length=64, d_model=16,
                           n_heads=2, n_layers=1))
-    save_checkpoint(tmp_path / "start" / "checkpoint.pt", {
+    start = tmp_path_factory.mktemp("start")
+    save_checkpoint(start / "checkpoint.pt", {
         "model": model.state_dict(), "optimizer": {}, "model_config": model.config.model_dump(),
         "train_config": TrainConfig().model_dump(), "tokenizer": chat.to_dict(), "step": 0,
         "rng": {}, "history": {}, "world_size": 1})
-    out = tmp_path / "run"
-    assert main(["rl", "--checkpoint", str(tmp_path / "start"), "--method", "sft-random",
-                 "--steps", "2", "--lr", "1e-3", "--out", str(out)]) == 0
+    return start
+
+
+def test_rl_continues_a_chat_model_and_writes_a_run_chat_can_load(
+        chat_start: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Two steps, and the run's evaluation.
+    out, rows = tmp_path / "run", tmp_path / "rows.jsonl"
+    assert main(["rl", "--checkpoint", str(chat_start), "--method", "sft-random",
+                 "--steps", "2", "--lr", "1e-3", "--out", str(out), "--json", str(rows)]) == 0
     printed = capsys.readouterr().out
-    assert "continuing start with sft-random (2 steps)" in printed and "pass@1" in printed
+    assert f"continuing {chat_start.name} with sft-random (2 steps)" in printed
+    assert "held-out rhymes: pass@1" in printed and "; sampled [" in printed
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["method"] == "sft-random" and len(metrics["history"]["loss"]) == 2
     assert 0 <= metrics["pass@1"] <= metrics["pass@8"] <= 1 and metrics["kl_to_start"] > 0
+    row = json.loads(rows.read_text())  # the same numbers, without the history
+    assert row == {k: v for k, v in metrics.items() if k != "history"}
+    assert (row["steps"], row["lr"], row["validation"], row["cold_start_key"]) == (
+        2, 1e-3, False, None)  # a run's checkpoint has no cache key
+    assert row["loss_last10"] == sum(metrics["history"]["loss"]) / 2
     ckpt = load_checkpoint(out)
     assert (ckpt["step"], ckpt["train_config"]["lr"]) == (2, 1e-3)
     trained, tok, step = load_model(out)
     assert step == 2 and "<|user|>" in tok.special_tokens
+    before = load_model(chat_start).model
     assert any(not torch.equal(a, b) for a, b in zip(
-        trained.state_dict().values(), model.state_dict().values(), strict=True))
+        trained.state_dict().values(), before.state_dict().values(), strict=True))
+
+
+def test_rl_cold_evaluates_the_start_and_validation_other_words(
+        chat_start: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """--method cold evaluates the start without a step (the rate sweep's baseline row);
+    --validation evaluates as many held-out words, none of those the chapter evaluates."""
+    from minigpt import rewards
+
+    evaluated: list[list[Any]] = []
+    real = rewards.evaluate_run
+
+    def evaluate(model: GPT, start: GPT, tokenizer: Any, data: Any, *args: Any,
+                 **kwargs: Any) -> Any:
+        evaluated.append(data.eval_rhymes)
+        return real(model, start, tokenizer, data, *args, **kwargs)
+
+    monkeypatch.setattr(rewards, "evaluate_run", evaluate)
+    rows = tmp_path / "rows.jsonl"
+    for extra in ([], ["--validation"]):
+        assert main(["rl", "--checkpoint", str(chat_start), "--method", "cold", "--json",
+                     str(rows), *extra]) == 0
+    assert "continuing" not in capsys.readouterr().out
+    chapter, validation = (json.loads(line) for line in rows.read_text().splitlines())
+    assert (chapter["method"], chapter["steps"], chapter["lr"]) == ("cold", 0, None)
+    assert chapter["kl_to_start"] == 0 and "loss_last10" not in chapter
+    assert (chapter["validation"], validation["validation"]) == (False, True)
+    words, other = evaluated
+    assert len(words) == len(other) and not set(words) & set(other)
+    assert list(tmp_path.iterdir()) == [rows]  # no --out: no checkpoint
+
+
+def test_the_sweep_tool_is_rl(capsys: pytest.CaptureFixture[str]) -> None:
+    tool = load_tool("rl_rhymes")
+    assert tool.main(["--method", "cold", "--steps", "5", "--json", "x"]) == 2
+    assert "minigpt rl: error: --method cold evaluates the start" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("argv", "code", "message"), [
     (["rl", "--out", "{tmp}", "--method", "ppo"], 2, "argument --method: invalid choice: 'ppo'"),
     (["rl", "--out", "{tmp}", "--steps", "0"], 2,
-     "--steps: Input should be greater than or equal to 1"),
-    (["rl", "--out", "{tmp}", "--lr", "nan"], 2, "--lr: Input should be a finite number"),
+     "argument --steps: must be an integer >= 1, got '0'"),
+    (["rl", "--out", "{tmp}", "--lr", "nan"], 2,
+     "argument --lr: must be a finite number > 0, got 'nan'"),
+    (["rl", "--out", "{tmp}", "--lr", "0"], 2, "argument --lr: must be a finite number > 0"),
+    (["rl", "--out", "{tmp}", "--seed", "-1"], 2,
+     "argument --seed: must be an integer >= 0, got '-1'"),
+    (["rl", "--out", "{tmp}", "--threads", "0"], 2,
+     "argument --threads: must be an integer >= 1, got '0'"),
+    (["rl", "--out", "{tmp}", "--method", "cold", "--steps", "5"], 2,
+     "--method cold evaluates the start as it is: --steps and --lr continue it"),
+    (["rl", "--out", "{tmp}", "--method", "cold", "--lr", "1e-3"], 2,
+     "--method cold evaluates the start as it is"),
     (["rl", "--out", "{tmp}", "--model", "rl-ppo-0"], 2,
      "--model: invalid choice: 'rl-ppo-0' (choose from book, "),
     (["rl", "--checkpoint", "{base}", "--out", "{tmp}"], 1, "it is a base model"),
-    (["rl", "--model", "rl-cold"], 2, "the following arguments are required: --out"),
+    (["rl", "--model", "rl-cold"], 2, "give --out, --json or both: where the run's numbers go"),
 ])
 def test_rl_errors(argv: list[str], code: int, message: str, runs: dict[str, Path],
                    tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -811,7 +881,7 @@ def test_every_model_command_checks_its_device(
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     out = ["--out", str(tmp_path)] * (command in ("sft", "dpo"))
     _fails([command, "--checkpoint", str(tmp_path), *out, "--device", device], capsys, 2,
-           f"minigpt {command}: error: --device: {message}")
+           f"minigpt {command}: error: argument --device: {message}")
     assert not (tmp_path / "checkpoint.pt").exists()
 
 

@@ -4,6 +4,7 @@ set-up caches the runs under."""
 
 from __future__ import annotations
 
+import argparse
 import copy
 import functools
 import statistics
@@ -187,10 +188,9 @@ def test_set_up_caches_the_cold_start_and_every_run_by_name() -> None:
 
 
 def test_the_command_line_reads_rl_as_the_grpo_run_and_names_the_runs_in_its_errors() -> None:
-    settings = cli.ModelSettings(model="rl")
-    assert settings.model == "rl-grpo-0"
-    with pytest.raises(ValidationError) as err:
-        cli.ModelSettings(model="rl-ppo-0")
+    assert cli.cached_model("rl") == "rl-grpo-0"
+    with pytest.raises(argparse.ArgumentTypeError) as err:
+        cli.cached_model("rl-ppo-0")
     message = str(err.value)
     assert "invalid choice: 'rl-ppo-0'" in message and "rl-METHOD-SEED" in message
     assert "rl (= rl-grpo-0)" in message and "sft-0" in message
