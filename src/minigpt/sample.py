@@ -19,8 +19,7 @@ import torch
 from pydantic import BaseModel, Field, model_validator
 
 from minigpt.checkpoint import load_checkpoint
-from minigpt.config import Device as Device  # the command line's flags import it from here
-from minigpt.config import GPTConfig
+from minigpt.config import Device, GPTConfig
 from minigpt.decoding import beam_search, generate
 from minigpt.model import GPT
 from minigpt.speculative import speculative_generate
