@@ -84,21 +84,21 @@ def _clean(**env: str) -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in minigpt.PINNED_CPU_KERNELS} | env
 
 
-def emulation_key(cpu: str, model: Path, environ: dict[str, str]) -> str:
+def emulation_key(cpu: str, model: Path, environ: dict[str, str], files: str) -> str:
     """The key (`tools/kept.py`) of what `tools/same_bits.py` reads when emulated as ``cpu``
     with the weights ``model`` in the environment ``environ``: the tool, the files the
-    package's runs read, the census, the weights, qemu, and what every key reads."""
+    package's runs read (``files``, `kept.files_digest`), the census, the weights, qemu, and
+    what every key reads."""
     kept = load_tool("kept")
-    return str(kept.key({"cpu": cpu, "tool": sha256_file(TOOL), "files": kept.files_digest(),
+    return str(kept.key({"cpu": cpu, "tool": sha256_file(TOOL), "files": files,
                          "census": sha256_file(CENSUS), "weights": sha256_file(model),
                          "qemu": sha256_file(Path(_qemu()))}, environ))
 
 
-def _emulated(cpu: str, model: Path) -> dict[str, Any]:
-    """The tool's output under qemu as ``cpu``: the one kept under the same key, or a new
-    run's, then kept."""
+def _emulated(cpu: str, model: Path, key: str) -> dict[str, Any]:
+    """The tool's output under qemu as ``cpu``: the one kept under ``key``, or a new run's,
+    then kept."""
     kept = load_tool("kept")
-    key = emulation_key(cpu, model, _clean())
     output = kept.recall("same-bits", cpu, key)
     if output is None:
         output = _run(cpu, "--model", str(model), "--census", str(CENSUS))
@@ -134,8 +134,12 @@ def trained_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def runs(trained_model: Path) -> dict[str | None, dict[str, Any]]:
     """The tool's output natively and under each emulated CPU (kept or run), side by side."""
     _qemu()
-    with ThreadPoolExecutor(len(CPUS) + 1) as pool:
-        futures = {cpu: pool.submit(_emulated, cpu, trained_model) for cpu in CPUS}
+    # The keys first, in this thread: Python 3.11's parser is not safe to run in two threads
+    # at once (kept.files_digest parses the package), and they are the same files anyway.
+    files = load_tool("kept").files_digest()
+    keys = {cpu: emulation_key(cpu, trained_model, _clean(), files) for cpu in CPUS}
+    with ThreadPoolExecutor(len(CPUS)) as pool:
+        futures = {cpu: pool.submit(_emulated, cpu, trained_model, keys[cpu]) for cpu in CPUS}
         native = _run(None, "--model", str(trained_model), "--census", str(CENSUS))
         return {None: native} | {cpu: future.result() for cpu, future in futures.items()}
 
@@ -204,10 +208,11 @@ def test_an_emulated_run_is_kept_under_what_it_reads(tmp_path: Path) -> None:
     model = tmp_path / "book.pt"
     model.write_bytes(b"weights")
     environ = {"HOME": "/root"}
-    key = emulation_key("Haswell", model, environ)
-    assert emulation_key("EPYC", model, environ) != key
-    assert emulation_key("Haswell", model, {**environ, "TERM": "dumb"}) == key
+    key = emulation_key("Haswell", model, environ, "files")
+    assert emulation_key("EPYC", model, environ, "files") != key
+    assert emulation_key("Haswell", model, {**environ, "TERM": "dumb"}, "files") == key
     for steering in ("MKL_CBWR", "MINIGPT_PRODUCTS", "ATEN_CPU_CAPABILITY"):
-        assert emulation_key("Haswell", model, {**environ, steering: "x"}) != key, steering
+        assert emulation_key("Haswell", model, {**environ, steering: "x"}, "files") != key
+    assert emulation_key("Haswell", model, environ, "other files") != key
     model.write_bytes(b"other weights")
-    assert emulation_key("Haswell", model, environ) != key
+    assert emulation_key("Haswell", model, environ, "files") != key
