@@ -64,6 +64,8 @@ TOOL = ROOT / "tools" / "same_bits.py"
 CENSUS = ROOT / "tests" / "notebooks" / "products.json"
 #: Seconds one emulated run may take (about 60 times the native run, more for Python).
 TIMEOUT = 2700
+#: tools/kept.py: the emulated runs' outputs are kept in the cache under its keys.
+kept = load_tool("kept")
 #: The tool's output that is not a trained model's sha256.
 NOT_TRAINED = {"cpu kernels", "products", "census", "random", "raw mkl", "greedy sample",
                "attention sha256",
@@ -89,7 +91,6 @@ def emulation_key(cpu: str, model: Path, environ: dict[str, str], files: str) ->
     with the weights ``model`` in the environment ``environ``: the tool, the files the
     package's runs read (``files``, `kept.files_digest`), the census, the weights, qemu, and
     what every key reads."""
-    kept = load_tool("kept")
     return str(kept.key({"cpu": cpu, "tool": sha256_file(TOOL), "files": files,
                          "census": sha256_file(CENSUS), "weights": sha256_file(model),
                          "qemu": sha256_file(Path(_qemu()))}, environ))
@@ -98,7 +99,6 @@ def emulation_key(cpu: str, model: Path, environ: dict[str, str], files: str) ->
 def _emulated(cpu: str, model: Path, key: str) -> dict[str, Any]:
     """The tool's output under qemu as ``cpu``: the one kept under ``key``, or a new run's,
     then kept."""
-    kept = load_tool("kept")
     output = kept.recall("same-bits", cpu, key)
     if output is None:
         output = _run(cpu, "--model", str(model), "--census", str(CENSUS))
@@ -136,7 +136,7 @@ def runs(trained_model: Path) -> dict[str | None, dict[str, Any]]:
     _qemu()
     # The keys first, in this thread: Python 3.11's parser is not safe to run in two threads
     # at once (kept.files_digest parses the package), and they are the same files anyway.
-    files = load_tool("kept").files_digest()
+    files = kept.files_digest()
     keys = {cpu: emulation_key(cpu, trained_model, _clean(), files) for cpu in CPUS}
     with ThreadPoolExecutor(len(CPUS)) as pool:
         futures = {cpu: pool.submit(_emulated, cpu, trained_model, keys[cpu]) for cpu in CPUS}
