@@ -137,7 +137,7 @@ setup: $(STAMP) $(NPM_STAMP) assets book-model
 # first lane, once its models are trained, while the other lane still trains (a model it
 # needs that another lane is training, it waits for).
 playground: $(STAMP) $(NPM_STAMP) assets
-	$(call train_lanes,rm -rf _playground && $(PY) tools/playground.py _playground/playground)
+	$(call train_lanes,rm -rf _playground && $(PY) tools/playground.py _playground/playground $(if $(FRESH),--fresh))
 
 # Headless Chromium and its driver for the browser test (Debian packages; the
 # test drives /usr/bin/chromium through /usr/bin/chromedriver, nothing is downloaded),
@@ -163,14 +163,13 @@ system-deps:
 # chapter there and executes nothing again. A chapter whose inputs (its code cells, the
 # package's code, the book's data, the stored models' hashes, the installed distributions,
 # the steering environment) are those of an execution kept in the cache (chapters/ under
-# $MINIGPT_CACHE, by default ~/.cache/minigpt) is
-# not executed again: the kept notebook goes into the execution cache
-# (`make book FRESH_CHAPTERS=1` executes them all). Warnings are errors; --keep-going reports
-# all of them before failing. PYTHONHASHSEED is the same here, under nbval and in `make
-# baseline`. Each chapter's kernel records the matrix products it computes in
-# _build/census/CHAPTER/ (MINIGPT_CENSUS, minigpt.products; a kept chapter's record is
-# written back there), which tools/census.py gathers with set-up's into
-# tests/notebooks/products.json.
+# $MINIGPT_CACHE, by default ~/.cache/minigpt) is not executed again: the kept notebook goes
+# into the execution cache (`make book FRESH=1` executes them all, and makes the playground
+# and the PDF afresh). Warnings are errors; --keep-going reports all of them before failing.
+# PYTHONHASHSEED is the same here, under nbval and in `make baseline`. Each chapter's kernel
+# records the matrix products it computes in _build/census/CHAPTER/ (MINIGPT_CENSUS,
+# minigpt.products; a kept chapter's record is written back there), which tools/census.py
+# gathers with set-up's into tests/notebooks/products.json.
 CHAPTER_JOBS ?= 2
 # A successful build leaves the stamp _build/.built, which `make pdf` compares with what the
 # site is made from.
@@ -182,7 +181,7 @@ book: playground
 	rm -rf _build/.doctrees _build/html _build/jupyter_execute _build/.jupyter_cache \
 		_build/census $(BOOK_STAMP)
 	MINIGPT_CENSUS=$(CURDIR)/_build/census PYTHONHASHSEED=0 \
-		$(PY) tools/execute_chapters.py --jobs $(CHAPTER_JOBS) $(if $(FRESH_CHAPTERS),--fresh)
+		$(PY) tools/execute_chapters.py --jobs $(CHAPTER_JOBS) $(if $(FRESH),--fresh)
 	PYTHONHASHSEED=0 $(BIN)/jupyter-book build --all --warningiserror --keep-going --path-output . .
 	$(PY) tools/publish.py --unless-stale _build/html/models
 	touch $(BOOK_STAMP)
@@ -195,9 +194,11 @@ $(BOOK_STAMP): $(BOOK_SOURCES)
 # filled (nothing runs twice), printed by headless Chromium once MathJax has typeset it. A
 # copy goes to _build/html/, where every page's download menu links to it. The site is
 # built first only if it is missing or older than a chapter, the package or the build's
-# settings ($(BOOK_STAMP)): `make pdf` right after `make book` only prints.
+# settings ($(BOOK_STAMP)): `make pdf` right after `make book` only prints. The print is kept
+# in the cache under a key over the single page's build; with the same key the kept PDF is
+# used (`FRESH=1` prints regardless).
 pdf: $(BOOK_STAMP) system-deps
-	$(PY) tools/make_pdf.py
+	$(PY) tools/make_pdf.py $(if $(FRESH),--fresh)
 
 # Every model trained afresh (an empty cache, nothing fetched: MINIGPT_MODELS_URL=off), then
 # every test, which compares each with tests/notebooks/models.json: the proof that the
@@ -215,7 +216,7 @@ reproduce:
 # read it; their report follows the others'.
 TEST_JOBS ?= 2
 test: lint system-deps book
-	($(PY) tools/make_pdf.py && $(PY) -m pytest -p no:cacheprovider -m pdf) \
+	($(PY) tools/make_pdf.py $(if $(FRESH),--fresh) && $(PY) -m pytest -p no:cacheprovider -m pdf) \
 		> _build/pdf.log 2>&1 & pdf=$$!; \
 	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest -n $(TEST_JOBS) --dist loadfile -m "not pdf"; \
 	tests=$$?; wait $$pdf; printed=$$?; cat _build/pdf.log; \

@@ -84,3 +84,59 @@ def test_the_playground_tool_refuses_a_folder_that_exists(
         load_tool("playground").main([str(tmp_path)])
     assert exit_info.value.code == 2
     assert f"{tmp_path} exists: remove it first" in capsys.readouterr().err
+
+
+def _a_pdf() -> bytes:
+    import io
+
+    import pypdfium2 as pdfium
+
+    document = pdfium.PdfDocument.new()
+    document.new_page(100, 100)
+    buffer = io.BytesIO()
+    document.save(buffer)
+    document.close()
+    return buffer.getvalue()
+
+
+def test_the_pdf_is_printed_again_only_when_the_single_page_changes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("MINIGPT_CACHE", str(tmp_path / "cache"))
+    make_pdf = load_tool("make_pdf")
+    root, work = tmp_path / "book", tmp_path / "work"
+    root.mkdir()
+    (root / "_toc.yml").write_text("root: intro\n", "utf-8")
+    built = work / "_build" / "singlehtml"
+    (built / "_static").mkdir(parents=True)
+    (built / "intro.html").write_text("<p>one</p>", "utf-8")
+    (built / "_static" / "book.css").write_text("p {}", "utf-8")
+    printed: list[str] = []
+
+    def print_book(page: Path, root_: Path) -> tuple[bytes, dict[str, object]]:
+        printed.append(page.read_text("utf-8"))
+        return _a_pdf(), {"contents": {"intro": 1}, "images": 0, "charts": 0}
+
+    monkeypatch.setattr(make_pdf, "print_book", print_book)
+    args = ["--root", str(root), "--work", str(work), "--no-build",
+            "--site", str(tmp_path / "site"), "--out", str(tmp_path / "out.pdf")]
+    assert make_pdf.main(args) == 0
+    assert printed == ["<p>one</p>"]
+    first = (tmp_path / "out.pdf").read_bytes()
+    (tmp_path / "out.pdf").unlink()
+    assert make_pdf.main(args) == 0  # the same page: the kept print, not a new one
+    assert printed == ["<p>one</p>"]
+    assert (tmp_path / "out.pdf").read_bytes() == first
+    assert "kept from a print of the same page" in capsys.readouterr().out
+    (built / "_static" / "book.css").write_text("p {color: red}", "utf-8")
+    assert make_pdf.main(args) == 0  # a static file the page reads has changed
+    assert len(printed) == 2
+    assert make_pdf.main(args + ["--fresh"]) == 0
+    assert len(printed) == 3
+    (built / "intro.html").write_text("<p>two</p>", "utf-8")
+    assert make_pdf.main(args) == 0
+    assert printed[-1] == "<p>two</p>"
+    monkeypatch.setenv("MINIGPT_PRODUCTS", "native")  # a steering variable: printed again
+    key = make_pdf.print_key(built / "book.html")
+    monkeypatch.delenv("MINIGPT_PRODUCTS")
+    assert make_pdf.print_key(built / "book.html") != key

@@ -19,6 +19,12 @@ landed, and a second print fills them in (same layout, so the same pages).
 
 The PDF is also copied to the root of the built site (_build/html), where the
 download menu of every page links to it.
+
+The print is kept in the cache (`tools/kept.py`) under a key over every file of the single
+page's build (the page, its images and static files), this tool, Chromium's and its driver's
+versions, the installed distributions, Python, the machine and the steering environment.
+With the same key the kept PDF is used (the single page is still built, to compute the key);
+``--fresh`` prints regardless. An empty cache (`make reproduce`) prints.
 """
 
 from __future__ import annotations
@@ -27,7 +33,9 @@ import argparse
 import base64
 import ctypes
 import functools
+import hashlib
 import http.server
+import json
 import os
 import shutil
 import subprocess
@@ -41,6 +49,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import kept  # noqa: E402  (tools/kept.py: what is kept between builds, and its keys)
 
 ROOT = Path(__file__).resolve().parents[1]
 PDF_NAME = "minigpt-book.pdf"
@@ -408,6 +419,40 @@ def print_book(page: Path, root: Path) -> tuple[bytes, dict[str, Any]]:
     return pdf, {"contents": numbers, "images": images, "charts": len(charts)}
 
 
+def print_key(page: Path) -> str:
+    """The key a print of ``page`` is kept under: every file of its build (byte for byte),
+    this tool, the browser and its driver, and `kept.setting_parts`."""
+    digest = hashlib.sha256()
+    built = page.parent
+    for path in sorted(p for p in built.rglob("*") if p.is_file()):
+        name = path.relative_to(built).as_posix()
+        digest.update(f"{name}\0{hashlib.sha256(path.read_bytes()).hexdigest()}\n".encode())
+    versions = [subprocess.run([str(tool), "--version"], capture_output=True, text=True,
+                               check=True).stdout.strip() for tool in (CHROMIUM, CHROMEDRIVER)]
+    return kept.key({"single page": digest.hexdigest(), "browser": "\n".join(versions),
+                     "tool": Path(__file__).read_text(encoding="utf-8")})
+
+
+def kept_print(key: str) -> tuple[bytes, dict[str, Any]] | None:
+    """The PDF and what was seen, kept from a print under ``key``; None if none is."""
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(scratch) / "print"
+        if not kept.recall_folder("pdf", key, folder):
+            return None
+        seen: dict[str, Any] = json.loads((folder / "seen.json").read_text(encoding="utf-8"))
+        return (folder / PDF_NAME).read_bytes(), seen
+
+
+def keep_print(key: str, pdf: bytes, seen: dict[str, Any]) -> None:
+    """Keep the PDF and what was seen under ``key``."""
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(scratch) / "print"
+        folder.mkdir()
+        (folder / PDF_NAME).write_bytes(pdf)
+        (folder / "seen.json").write_text(json.dumps(seen), encoding="utf-8")
+        kept.keep_folder("pdf", key, folder)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--root", type=Path, default=ROOT, help="the book (default: this one)")
@@ -419,6 +464,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="built site that gets a copy of the PDF (default: ROOT/_build/html)")
     parser.add_argument("--no-build", action="store_true",
                         help="print the single page already built in --work")
+    parser.add_argument("--fresh", action="store_true",
+                        help="print even if a print of the same single page is kept")
     args = parser.parse_args(argv)
     root = args.root.resolve()
     work = (args.work or root / "_build" / "pdf").resolve()
@@ -428,7 +475,13 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     page = single_page(root, work) if args.no_build else build_single_page(root, work)
     built = time.perf_counter()
-    pdf, seen = print_book(page, root)
+    key = print_key(page)
+    recalled = None if args.fresh else kept_print(key)
+    if recalled is None:
+        pdf, seen = print_book(page, root)
+        keep_print(key, pdf, seen)
+    else:
+        pdf, seen = recalled
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_suffix(".pdf.partial")
     partial.write_bytes(pdf)
@@ -444,7 +497,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{out}: {pages} pages, {seen['images']} figures, {seen['charts']} interactive "
           f"figures, {len(seen['contents'])} entries in the contents; single page built in "
           f"{built - started:.0f} s, "
-          f"printed in {done - built:.0f} s")
+          + (f"printed in {done - built:.0f} s" if recalled is None else
+             f"kept from a print of the same page, copied in {done - built:.0f} s"))
     return 0
 
 
