@@ -242,11 +242,13 @@ baseline: setup
 
 # ruff, mypy (strict, on the package) and codespell (its settings and the project's word list
 # in pyproject.toml; Shakespeare's spellings and names in tools/codespell-words.txt).
-# `make test` runs this first.
+# `make test` runs this first. mypy keeps what it learnt of the package and of the packages it
+# imports (PyTorch's stubs take a minute to read) in the cache, where a fresh clone finds it:
+# mypy checks each file against what it kept by its content, and reads again what changed.
 SPELL_PATHS := book/*.md src tests tools _ext README.md docs
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
-	$(BIN)/mypy
+	MYPY_CACHE_DIR=$${MINIGPT_CACHE:-$$HOME/.cache/minigpt}/mypy $(BIN)/mypy
 	$(BIN)/codespell $(SPELL_PATHS)
 
 # Every external link of the chapters and references.bib (tools/linkcheck.py; needs the
