@@ -5,6 +5,7 @@ and a temporary cache root (MINIGPT_CACHE), so the real cache is never touched.
 """
 
 import json
+import re
 import subprocess
 import sys
 import warnings
@@ -215,6 +216,10 @@ def test_the_command_trains_once_then_verifies(monkeypatch, capsys):
     assert main(["pretrained", "--quiet"]) == 0
     first = capsys.readouterr()
     assert "tiny model (" in first.out and "trained in" in first.out and first.err == ""
+    # its CPU time split: training, then evaluation (the validation losses); no sampling
+    split = re.search(r"CPU time: training (\d+) s, sampling 0 s, evaluation (\d+) s",
+                      first.out)
+    assert split, first.out
     assert main(["pretrained"]) == 0
     assert "loaded and verified" in capsys.readouterr().out
     assert main(["pretrained", "--only", "tiny"]) == 0

@@ -45,6 +45,7 @@ from minigpt.assistant import ASSISTANT_RECIPE
 from minigpt.bpe import DEFAULT_BPE_VOCAB_SIZE, get_tokenizer
 from minigpt.chat import chat_loop
 from minigpt.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
+from minigpt.compute import CPULedger
 from minigpt.config import GPTConfig, TrainConfig, check_device
 from minigpt.dpo import DPO_TRAINING, make_pairs, train_dpo
 from minigpt.evals import benchmark_table, format_table
@@ -794,8 +795,12 @@ def add_pretrained(commands: Commands) -> None:
 
 def pretrained_command(args: argparse.Namespace, argv: list[str]) -> int:
     for name in args.only or list(catalogue.MODELS):
-        model, _, info = catalogue.MODELS[name](progress=not args.quiet)
-        what = (f"trained in {catalogue.train_seconds(info):.0f} s" if info.built
+        # A model trained here (with any model it starts from that no other process has):
+        # its CPU time split into training, sampling and evaluation.
+        with CPULedger() as ledger:
+            model, _, info = catalogue.MODELS[name](progress=not args.quiet)
+        what = (f"trained in {catalogue.train_seconds(info):.0f} s (CPU time: "
+                f"{ledger.summary()})" if info.built
                 else "fetched and verified" if info.fetched else "loaded and verified")
         print(f"{name} model ({model.num_parameters():,} parameters, "
               f"{catalogue.summary(info)}): {what}; {info.path}")
