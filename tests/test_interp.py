@@ -1,6 +1,7 @@
 """minigpt.interp on tiny random models: ablation against hand-edited weights, the residual
-stream as a sum of its parts, activation patching, the scores against their definitions, the
-circuits against the attention's own arithmetic, and the copiers' recipe, rows and cache."""
+stream as a sum of its parts, activation patching (of positions and of heads), the scores
+against their definitions, the circuits against the attention's own arithmetic, the copying
+scores on maps whose eigenvalues are known, and the copiers' recipe, rows and cache."""
 
 from __future__ import annotations
 
@@ -22,7 +23,11 @@ from minigpt.interp import (
     composition,
     copier,
     copy_losses,
+    copying_scores,
+    effective_embedding,
+    full_ov_circuit,
     head_means,
+    head_patching,
     head_scores,
     induction_keys,
     logit_lens,
@@ -243,6 +248,86 @@ def test_patching_grid_restores_at_the_answer_and_nothing_after_it(model):
     assert abs(float(grid[0, 3]) - 1.0) < 1e-5  # and patching that token restores it all
 
 
+def _corrupted(seed: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    clean = torch.randint(0, V, (3, 10), generator=torch.Generator().manual_seed(seed))
+    corrupt = clean.clone()
+    corrupt[:, 3] = (clean[:, 3] + 1) % V  # one token differs in each row
+    return clean, corrupt
+
+
+def test_head_patching_by_hand_and_with_one_token_or_one_a_row(model):
+    clean, corrupt = _corrupted()
+    answer, right, wrong = 7, 2, 5
+    grid = head_patching(model, clean, corrupt, answer, right, wrong)
+    assert grid.shape == (L, H)
+    assert torch.equal(grid, head_patching(model, clean, corrupt, answer,
+                                           torch.full((3,), right), torch.tensor(wrong)))
+    rows = torch.arange(3)
+
+    def d(logits: torch.Tensor) -> torch.Tensor:
+        return logits[rows, answer, right] - logits[rows, answer, wrong]
+
+    with torch.no_grad(), recorded_heads(model) as seen:
+        d_clean = d(model(clean))
+    layer, head = 1, 2
+    cols = slice(head * D_K, (head + 1) * D_K)
+
+    def write_clean(_module, inputs):
+        z = inputs[0].clone()
+        z[..., cols] = seen[layer][..., head, :]
+        return (z,)
+
+    hook = model.h[layer].attn.c_proj.register_forward_pre_hook(write_clean)
+    with torch.no_grad():
+        d_patched = d(model(corrupt))
+    hook.remove()
+    with torch.no_grad():
+        d_corrupt = d(model(corrupt))
+    expected = (d_patched - d_corrupt).mean() / (d_clean - d_corrupt).mean()
+    assert float(grid[layer, head]) == pytest.approx(float(expected), abs=1e-6)
+    assert _no_hooks(model)
+
+
+def test_head_patching_is_0_for_a_head_that_writes_alike_and_1_for_the_only_path():
+    # Head 1 of layer 0 has no values: it writes 0 in both runs, so patching it restores
+    # nothing. In one layer with no MLP and every head but 3 silenced, the corrupted token
+    # reaches the answer through head 3 alone: patching it restores the clean preference.
+    torch.manual_seed(0)
+    one = GPT(GPTConfig.shakespeare_cpu(vocab_size=V, n_layers=1, n_heads=H, d_model=D,
+                                        context_length=T, activation="gelu_tanh")).eval()
+    with torch.no_grad():
+        one.h[0].mlp.c_proj.weight.zero_()
+        one.h[0].mlp.c_proj.bias.zero_()
+        w_v = one.h[0].attn.c_attn.weight[2 * D:]
+        b_v = one.h[0].attn.c_attn.bias[2 * D:]
+        for head in range(H - 1):
+            w_v[head * D_K:(head + 1) * D_K] = 0.0
+            b_v[head * D_K:(head + 1) * D_K] = 0.0
+    clean, corrupt = _corrupted()
+    grid = head_patching(one, clean, corrupt, 7, 2, 5)
+    assert torch.equal(grid[0, :H - 1], torch.zeros(H - 1))
+    assert float(grid[0, H - 1]) == pytest.approx(1.0, abs=1e-5)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (dict(corrupt_ids=torch.zeros(3, 9, dtype=torch.long)), "one shape"),
+    (dict(clean_ids=torch.zeros(10, dtype=torch.long),
+          corrupt_ids=torch.zeros(10, dtype=torch.long)), "one shape"),
+    (dict(answer=10), "0 <= answer < 10"),
+    (dict(answer=-1), "0 <= answer < 10"),
+    (dict(right=torch.tensor([1, 2])), "right must be one token id or 3 ids"),
+    (dict(wrong=2.5), "wrong must be one token id or 3 ids"),
+    (dict(corrupt_ids=None), "nothing to restore"),
+])
+def test_head_patching_refuses_bad_input_with_the_reason(model, change, message):
+    clean, corrupt = _corrupted()
+    args = dict(clean_ids=clean, corrupt_ids=corrupt, answer=7, right=2, wrong=5) | change
+    if args["corrupt_ids"] is None:  # the corrupted run is the clean one
+        args["corrupt_ids"] = clean
+    with pytest.raises(ValueError, match=message):
+        head_patching(model, **args)
+
+
 # ------------------------------------------------------------------- repeated sequences
 
 def test_induction_and_previous_keys_pick_exactly_their_entries():
@@ -364,6 +449,85 @@ def test_composition_lies_in_0_1_and_is_0_when_the_reader_ignores_the_writer():
     assert composition(hidden, (0, 1), (1, 2), "q") == 0.0
     assert composition(hidden, (0, 1), (1, 2), "k") == 0.0
     assert composition(hidden, (0, 1), (1, 2), "v") == 0.0
+
+
+def _scale(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return (x.var(-1, unbiased=False, keepdim=True) + eps).sqrt()
+
+
+@pytest.mark.parametrize("layout", ["gpt2", "modern"])
+def test_full_ov_circuit_is_the_heads_write_through_the_norms_without_their_scale(layout):
+    # Without biases a norm's output times its input's scale is its linear part, so the
+    # modules themselves give each column: the head's write of the normalised input, read
+    # through the final norm and the unembedding.
+    m = _gpt2(seed=3, bias=False) if layout == "gpt2" else _modern(seed=3)
+    inputs = torch.randn(V, D, generator=torch.Generator().manual_seed(1))
+    for layer, head in [(0, 1), (1, 3)]:
+        out, into = full_ov_circuit(m, layer, head, inputs)
+        assert out.shape == (V, D_K) and into.shape == (D_K, V)
+        assert out.dtype == into.dtype == torch.float64
+        _, ov = circuits(m, layer, head)
+        norm, final = m.h[layer].ln_1, m.ln_f
+        with torch.no_grad():
+            read = norm(inputs) * _scale(inputs, norm.eps)  # (V, D)
+            write = read @ ov.T
+            expected = m.lm_head(final(write) * _scale(write, final.eps)).T  # (V, V)
+        assert torch.allclose((out @ into).float(), expected, atol=1e-4)
+    out, into = full_ov_circuit(m, 0, 0)  # by default, the token embeddings
+    assert torch.equal(into, full_ov_circuit(m, 0, 0, m.wte.weight)[1])
+
+
+def test_effective_embedding_is_the_stream_after_layer_0_without_attention_or_positions():
+    m = _gpt2(seed=2)
+    with torch.no_grad():
+        m.h[0].attn.c_proj.weight.zero_()
+        m.h[0].attn.c_proj.bias.zero_()
+        m.wpe.weight.zero_()
+        tokens = torch.arange(V)[None, :]
+        after = residual_stream(m, tokens)[1][0]  # (V, D): token t at position t
+    assert torch.allclose(effective_embedding(m), after, atol=1e-6)
+
+
+def test_full_ov_circuit_refuses_a_missing_head_or_bad_inputs():
+    m = _gpt2()
+    with pytest.raises(ValueError, match=r"no head \(2, 0\): layers 0 to 1, heads 0 to 3"):
+        full_ov_circuit(m, 2, 0)
+    with pytest.raises(ValueError, match=r"no head \(0, 4\)"):
+        full_ov_circuit(m, 0, 4)
+    with pytest.raises(ValueError, match=r"inputs must be \(V, D\) = \(11, 16\)"):
+        full_ov_circuit(m, 0, 0, torch.zeros(D, V))
+    torch.manual_seed(0)
+    shared = GPT(GPTConfig.shakespeare_cpu(vocab_size=V, n_layers=1, n_heads=H, d_model=D,
+                                           context_length=T, n_kv_heads=2))
+    with pytest.raises(ValueError, match="shares 2 among 4"):
+        full_ov_circuit(shared, 0, 0)
+
+
+def test_copying_scores_on_maps_whose_eigenvalues_are_known():
+    x = torch.randn(V, D_K, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    assert copying_scores(x, x.T).eigen == pytest.approx(1.0)  # x x^T: eigenvalues >= 0
+    assert copying_scores(-x, x.T).eigen == pytest.approx(-1.0)
+    eye = torch.eye(V)
+    assert copying_scores(eye, eye) == interp.Copying(own_top=1.0, eigen=1.0)
+    flipped = copying_scores(-eye, eye)  # each token lowers its own logit most
+    assert flipped.own_top == 0.0 and flipped.eigen == pytest.approx(-1.0)
+    shift = eye.roll(1, dims=0)  # token t raises t + 1: eigenvalues the V-th roots of 1
+    shifted = copying_scores(shift, eye)
+    assert shifted.own_top == 0.0 and shifted.eigen == pytest.approx(0.0, abs=1e-9)
+    assert copying_scores(torch.zeros(V, 3), torch.zeros(3, V)).eigen == 0.0
+    # Random factors copy by chance only: the own logit tops about 1 / V of the columns.
+    g = torch.Generator().manual_seed(1)
+    scores = [copying_scores(torch.randn(V, D_K, generator=g), torch.randn(D_K, V, generator=g))
+              for _ in range(300)]
+    assert abs(sum(s.eigen for s in scores) / 300) < 0.05
+    assert abs(sum(s.own_top for s in scores) / 300 - 1 / V) < 0.03
+
+
+def test_copying_scores_refuse_factors_that_do_not_make_a_square_map():
+    with pytest.raises(ValueError, match=r"\(V, k\) and \(k, V\), got \(5, 3\) and \(3, 4\)"):
+        copying_scores(torch.zeros(5, 3), torch.zeros(3, 4))
+    with pytest.raises(ValueError, match="got"):
+        copying_scores(torch.zeros(5), torch.zeros(5))
 
 
 def test_composition_needs_the_earlier_head_in_an_earlier_layer():

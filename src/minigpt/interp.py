@@ -12,9 +12,12 @@ A GPT's residual stream is a sum: the embeddings, then what every head and every
   by side (head h is columns h d_k .. (h + 1) d_k - 1 of its input);
 * the **logit lens** (`logit_lens`): the residual stream after each block read through the
   final norm and the head; **activation patching** (`patched_logits`, `patching_grid`):
-  one position of the stream after one block copied from a clean run into a corrupted one;
+  one position of the stream after one block copied from a clean run into a corrupted one,
+  or one head's output at every position (`head_patching`);
 * a head's **circuits** (`circuits`): W_QK = W_Q^T W_K and W_OV = W_O W_V, and how much a
   later head's keys, queries or values read an earlier head's output (`composition`);
+  whether its OV circuit, from tokens to logits, **copies** (`full_ov_circuit`,
+  `effective_embedding`, `copying_scores`);
 * the **copiers**: small models trained on text in which stretches repeat, where copying
   pays, with snapshots of their scores as they train (`CopyRecipe`, `copier`), cached
   like the book's other models.
@@ -44,7 +47,7 @@ from minigpt.config import GPTConfig
 from minigpt.data import Batch, get_batch, split_text
 from minigpt.losses import lm_loss
 from minigpt.model import GPT
-from minigpt.nn import Block
+from minigpt.nn import Block, LayerNorm
 from minigpt.optim import configure_optimizer
 from minigpt.pretrained import Built, ModelInfo
 from minigpt.tokenizer import CharTokenizer
@@ -350,6 +353,73 @@ def patching_grid(model: GPT, clean_ids: Tensor, corrupt_ids: Tensor, answer: in
     return grid
 
 
+@contextmanager
+def _head_written(model: GPT, layer: int, head: int, value: Tensor) -> Iterator[None]:
+    """Inside the block the ``head`` of ``layer`` outputs ``value`` (B, T, d_k) instead of
+    its own output, at every position (what its layer's output projection reads for it)."""
+    def replace(_module: Any, inputs: tuple[Tensor, ...]) -> tuple[Tensor]:
+        z = inputs[0].clone()
+        z[..., _head_slice(model, head)] = value
+        return (z,)
+
+    hook = blocks(model)[layer].attn.c_proj.register_forward_pre_hook(replace)
+    try:
+        yield
+    finally:
+        hook.remove()
+
+
+def head_patching(model: GPT, clean_ids: Tensor, corrupt_ids: Tensor, answer: int,
+                  right: int | Tensor, wrong: int | Tensor) -> Tensor:
+    """(L, H): how much of the clean runs' preference for ``right`` over ``wrong`` at
+    position ``answer`` comes back when one head's output, at every position, is copied
+    from the clean run into the corrupted one (every other head and layer as corrupted).
+
+    With d = logit(right) - logit(wrong) at ``answer`` in each row, a head's entry is
+    mean(d_patched - d_corrupt) / mean(d_clean - d_corrupt), means over the rows: 0
+    changes nothing, 1 restores the clean preference on average. A ratio of means, not a
+    mean of ratios, so that a row the corruption hardly moves cannot dominate.
+
+    Args:
+        clean_ids, corrupt_ids: (B, T) ids, the same shape.
+        answer: the position whose prediction is read, 0 <= answer < T.
+        right, wrong: the two tokens compared, one id for every row or (B,) ids.
+    """
+    if clean_ids.ndim != 2 or clean_ids.shape != corrupt_ids.shape:
+        raise ValueError(f"clean_ids and corrupt_ids must be (B, T) ids of one shape, got "
+                         f"{tuple(clean_ids.shape)} and {tuple(corrupt_ids.shape)}")
+    B, T = clean_ids.shape
+    if not 0 <= answer < T:
+        raise ValueError(f"answer must be a position 0 <= answer < {T}, got {answer}")
+    tokens = []
+    for name, value in (("right", right), ("wrong", wrong)):
+        ids = torch.as_tensor(value)
+        if ids.dtype not in (torch.int32, torch.int64) or ids.shape not in ((), (B,)):
+            raise ValueError(f"{name} must be one token id or {B} ids (one a row), got "
+                             f"{value!r}")
+        tokens.append(ids.expand(B))
+    rows = torch.arange(B)
+
+    def preference(logits: Tensor) -> Tensor:
+        return logits[rows, answer, tokens[0]] - logits[rows, answer, tokens[1]]
+
+    with torch.no_grad(), recorded_heads(model) as clean:
+        d_clean = preference(model(clean_ids))
+    with torch.no_grad():
+        d_corrupt = preference(model(corrupt_ids))
+    moved = float((d_clean - d_corrupt).mean())
+    if moved == 0.0:
+        raise ValueError("the corruption leaves the mean preference for right over wrong "
+                         "unchanged: there is nothing to restore")
+    grid = torch.empty(len(clean), model.config.n_heads)
+    for layer, z in enumerate(clean):
+        for head in range(model.config.n_heads):
+            with torch.no_grad(), _head_written(model, layer, head, z[..., head, :]):
+                d = preference(model(corrupt_ids))
+            grid[layer, head] = (d - d_corrupt).mean() / moved
+    return grid
+
+
 # ------------------------------------------------------------------------ circuits
 
 def circuits(model: GPT, layer: int, head: int) -> tuple[Tensor, Tensor]:
@@ -386,6 +456,94 @@ def composition(model: GPT, earlier: Head, later: Head,
     with torch.no_grad():
         return float(torch.linalg.norm(reader @ ov)
                      / (torch.linalg.norm(reader) * torch.linalg.norm(ov)))
+
+
+def _norm_linear(norm: torch.nn.Module, x: Tensor) -> Tensor:
+    """The linear part of a norm on rows x (..., D): LayerNorm's centring, then the gain
+    (the per-row scale and the bias left out; an RMSNorm does not centre)."""
+    if isinstance(norm, LayerNorm):
+        x = x - x.mean(-1, keepdim=True)
+    gain = cast(Tensor | None, norm.weight)
+    return x if gain is None else x * gain.to(x.dtype)
+
+
+def effective_embedding(model: GPT) -> Tensor:
+    """(V, D): each token's embedding plus what the MLP of layer 0 adds to it, the stream at
+    a position holding the token as the later layers read it, attention and positions
+    aside (row t: W_E[t] + MLP_0(norm_2(W_E[t])))."""
+    first = blocks(model)[0]
+    with torch.no_grad():
+        embedding = model.wte.weight
+        effective: Tensor = embedding + first.mlp(first.ln_2(embedding))
+    return effective
+
+
+def full_ov_circuit(model: GPT, layer: int, head: int, inputs: Tensor | None = None,
+                    ) -> tuple[Tensor, Tensor]:
+    """A head's OV circuit from tokens to logits, as two float64 factors (V, d_k) and
+    (d_k, V): their product's column t holds the logits the head adds when it attends with
+    all its weight to a position holding token t (Elhage et al.'s W_U W_OV W_E).
+
+    ``inputs`` (V, D) is the stream at a position holding each token (by default the token
+    embeddings; `effective_embedding` adds what layer 0's MLP writes). Each column goes
+    through the linear part of the layer's norm, the head's values and output columns, the
+    linear part of the final norm and the unembedding. Left out: the norms' per-vector
+    scales (a positive factor per column, which changes no column's ranking) and every
+    bias (a vector added to every column alike).
+
+    Args:
+        layer, head: the head, 0 <= layer < L and 0 <= head < H.
+        inputs: (V, D) or None.
+    """
+    c = model.config
+    if not (0 <= layer < c.n_layers and 0 <= head < c.n_heads):
+        raise ValueError(f"no head ({layer}, {head}): layers 0 to {c.n_layers - 1}, heads 0 "
+                         f"to {c.n_heads - 1}")
+    if c.kv_heads != c.n_heads:
+        raise ValueError(f"a head's own value map needs one key-value head a head (GPT-2's "
+                         f"attention); this model shares {c.kv_heads} among {c.n_heads}")
+    if inputs is None:
+        inputs = model.wte.weight
+    if inputs.shape != (c.vocab_size, c.d_model):
+        raise ValueError(f"inputs must be (V, D) = ({c.vocab_size}, {c.d_model}): one "
+                         f"stream vector a token, got {tuple(inputs.shape)}")
+    attn, cols = blocks(model)[layer].attn, _head_slice(model, head)
+    w_v = torch.split(attn.c_attn.weight, list(attn.sizes), dim=0)[2][cols]  # (d_k, D)
+    w_o = attn.c_proj.weight[:, cols]  # (D, d_k)
+    with torch.no_grad():
+        read = _norm_linear(blocks(model)[layer].ln_1, inputs.double())  # (V, D)
+        into = w_v.double() @ read.T  # (d_k, V)
+        written = _norm_linear(model.ln_f, w_o.double().T)  # (d_k, D): each column's write
+        out = model.lm_head.weight.double() @ written.T  # (V, d_k)
+    return out, into
+
+
+@dataclass(frozen=True)
+class Copying:
+    """How much a map from tokens to logits, M = out @ into (V, V), copies: ``own_top``, the
+    share of tokens t whose own logit is the highest of column t (chance 1 / V); ``eigen``,
+    the sum of M's eigenvalues over the sum of their absolute values, in [-1, 1] (Elhage et
+    al.'s summary: 1 when every eigenvalue is positive, near 0 for a random map; 0 for
+    the zero map)."""
+
+    own_top: float
+    eigen: float
+
+
+def copying_scores(out: Tensor, into: Tensor) -> Copying:
+    """The `Copying` of the map ``out`` @ ``into``: (V, k) and (k, V), e.g. the factors of
+    `full_ov_circuit`. The eigenvalues are those of the k x k product into @ out, which are
+    M's nonzero ones."""
+    if out.ndim != 2 or into.ndim != 2 or out.shape != into.shape[::-1]:
+        raise ValueError(f"out and into must be (V, k) and (k, V), got {tuple(out.shape)} "
+                         f"and {tuple(into.shape)}")
+    with torch.no_grad():
+        M = out.double() @ into.double()
+        own = (M.argmax(dim=0) == torch.arange(len(M))).double().mean()
+        eigenvalues = torch.linalg.eigvals(into.double() @ out.double())
+        size = float(eigenvalues.abs().sum())
+        eigen = float(eigenvalues.sum().real) / size if size > 0 else 0.0
+    return Copying(float(own), eigen)
 
 
 # ------------------------------------------------------------------------ the copiers
