@@ -1,16 +1,19 @@
-"""The rewards chapter's runs: a cold start on rhymes, then eight ways to continue from it
-at equal compute, each trained once at set-up and cached like the assistants.
+"""The rewards chapter's runs: a cold start on rhymes, then nine ways to continue from it
+for about a minute of CPU time each, each trained once at set-up and cached like the
+assistants.
 
 The chat model ``sft-0`` (`minigpt.assistant.sft_model`) answers ``rhymes with: x``
 (`minigpt.rhymes`) in the older families' formats and almost never rightly, so learning from
 rewards has nothing to reinforce. `cold_model` gives it a start: a minute of SFT on random
 right answers, half of each batch replaying the older families (`minigpt.rhymes.cold_start`).
 `run_model` continues from that start with one `Method`, a seed and the recipe's number of
-optimiser steps, which gives every method about the same CPU time (`STEPS`):
+optimiser steps (`STEPS`, about a minute of CPU time each; `training_compute` counts what
+a run spent from its per-step history):
 
 * ``grpo``: GRPO (`minigpt.rl.grpo_step`), rewarded by the checker (`minigpt.rhymes.is_right`);
   ``grpo-kl`` with a KL penalty to the start; ``grpo-rhymes-only`` with no older family's
-  question in its batches (the others ask a quarter of them);
+  question in its batches (the others ask a quarter of them); ``reinforce``, GRPO's step
+  without a baseline (the reward itself is the advantage);
 * ``rft``: rejection-sampling fine-tuning (`minigpt.rl.rft_step`) with the same checker;
 * ``sft-random``, ``sft-frequent``: SFT on a random right answer to each word, or on its most
   frequent one in the corpus (a teacher who knows the corpus);
