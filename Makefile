@@ -88,15 +88,15 @@ assets: $(STAMP)
 
 # The small models the chapters share (the book model, its draft, the modern model, the
 # assistants: the modern model fine-tuned with three seeds and preference-tuned with three
-# values of beta, and the rewards chapter's runs: a cold start on rhymes and eighteen ways
-# to continue it, and the small models of the inside-the-model chapter), trained once and
+# values of beta, and the rewards chapter's runs: a cold start on rhymes and nineteen runs
+# that continue it, and the small models of the inside-the-model chapter), trained once and
 # cached; later runs only verify them. The chapters load
 # them. Each trains on one thread (so its weights are the same on every run), so several
 # processes ("lanes") train them side by side, one a core: on two cores the book model, its
 # draft, one fine-tuned model, two DPO models and the GRPO and rejection-sampling runs in one
 # lane (and then, for `make book`, the playground's export), the modern model, two fine-tuned
-# ones, the cold start, one DPO model and the SFT and coin runs in the other; on four cores
-# or more, four lanes. Each model's cache has its own lock (a fine-tuning waits for the
+# ones, the cold start, one DPO model and the SFT, coin and REINFORCE runs in the other; on
+# four cores or more, four lanes. Each model's cache has its own lock (a fine-tuning waits for the
 # modern model, a DPO run for `sft-0`, a rewards run for `rl-cold`, if another lane is still
 # training it).
 NPROC := $(shell nproc 2>/dev/null || echo 2)
@@ -111,11 +111,11 @@ COPIERS_A := copy-0 copy-2 copy-plain copy-fixed
 COPIERS_B := copy-1 copy-1layer copy-mix-25 copy-mix-50
 ifeq ($(shell test $(NPROC) -ge 4 2>/dev/null && echo many),many)
 MODEL_LANES := "book draft dpo-beta0.1 dpo-beta2 $(RFT_RUNS)" "modern sft-0 rl-cold dpo $(COIN_RUNS)" \
-	"sft-1 $(GRPO_RUNS) $(COPIERS_A)" "sft-2 $(SFT_RUNS) $(COPIERS_B)"
+	"sft-1 $(GRPO_RUNS) $(COPIERS_A)" "sft-2 $(SFT_RUNS) rl-reinforce-0 $(COPIERS_B)"
 else
 MODEL_LANES := "book draft sft-2 dpo-beta0.1 dpo-beta2 $(GRPO_RUNS) $(RFT_RUNS) rl-grpo-coin-2 \
 	$(COPIERS_A)" "modern sft-0 rl-cold sft-1 dpo $(SFT_RUNS) rl-grpo-coin-0 rl-grpo-coin-1 \
-	$(COPIERS_B)"
+	rl-reinforce-0 $(COPIERS_B)"
 endif
 # $(call train_lanes,COMMAND): every lane in the background, COMMAND after the first lane's
 # models; fails if any lane or COMMAND failed.

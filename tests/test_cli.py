@@ -791,8 +791,9 @@ def test_rl_continues_a_chat_model_and_writes_a_run_chat_can_load(
     assert 0 <= metrics["pass@1"] <= metrics["pass@8"] <= 1 and metrics["kl_to_start"] > 0
     row = json.loads(rows.read_text())  # the same numbers, without the history
     assert row == {k: v for k, v in metrics.items() if k != "history"}
-    assert (row["steps"], row["lr"], row["validation"], row["cold_start_key"]) == (
-        2, 1e-3, False, None)  # a run's checkpoint has no cache key
+    assert (row["steps"], row["lr"], row["validation"], row["cold_start_key"],
+            row["cold_start_weights_sha256"]) == (
+        2, 1e-3, False, None, None)  # a run's checkpoint has no cache key
     assert row["loss_last10"] == sum(metrics["history"]["loss"]) / 2
     ckpt = load_checkpoint(out)
     assert (ckpt["step"], ckpt["train_config"]["lr"]) == (2, 1e-3)

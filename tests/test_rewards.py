@@ -18,6 +18,7 @@ from test_dpo import tasks as old_tasks
 from test_rhymes import TINY, tiny_rhymes
 
 from minigpt import catalogue, cli, rewards
+from minigpt.compute import matmul_weights
 from minigpt.model import GPT
 from minigpt.rewards import (
     METHODS,
@@ -28,6 +29,7 @@ from minigpt.rewards import (
     continue_training,
     evaluate_run,
     kind,
+    training_compute,
 )
 from minigpt.rhymes import FAMILY, SFTSettings, is_right, is_right_leaky, supervised_steps
 from minigpt.rl import grpo_step
@@ -122,16 +124,44 @@ def test_every_method_trains_seeded_and_records_its_history(method: str) -> None
     assert any(not torch.equal(state[k], start[k]) for k in start)  # it trained
     assert history == again and all(torch.equal(state[k], state_again[k]) for k in state)
     if kind(method) == "sft":  # type: ignore[arg-type]
-        assert set(history) == {"loss"} and len(history["loss"]) == 2
+        assert set(history) == {"loss", "tokens_trained"}
     else:
-        expected = {"reward", "zero_signal"} | ({"kl"} if method == "grpo-kl" else set())
-        assert set(history) == expected and all(len(v) == 2 for v in history.values())
+        expected = {"reward", "zero_signal", "entropy", "length", "grad_norm", "answers",
+                    "tokens_sampled", "tokens_trained", "tokens_scored"}
+        assert set(history) == expected | ({"kl"} if method == "grpo-kl" else set())
+        assert history["answers"] == [3 * SMALL.grpo.group_size] * 2
+        assert all(h > 0 for h in history["entropy"])
+        assert all(1 <= n <= SMALL.grpo.max_new_tokens for n in history["length"])
+        assert any(history["tokens_scored"]) == (method == "grpo-kl")
+    assert all(len(v) == 2 for v in history.values())
+    assert all(n > 0 for n in history["tokens_trained"]) or method == "rft"
+
+
+def test_the_compute_of_a_run_is_its_positions_times_the_weights() -> None:
+    model, _ = started()
+    n_w = matmul_weights(model)
+    history = {"answers": [24.0, 24.0], "tokens_sampled": [100.0, 110.0],
+               "tokens_trained": [90.0, 0.0], "tokens_scored": [180.0, 0.0], "reward": [0.5, 1]}
+    used = training_compute(history, model)
+    assert used == (48, 210, 90, 180, 2 * n_w * (210 + 180) + 6 * n_w * 90)
+    sft = training_compute({"loss": [1.0], "tokens_trained": [64.0]}, model)
+    assert sft == (0, 0, 64, 0, 6 * n_w * 64)  # SFT samples nothing
+
+
+def test_reinforce_takes_the_reward_itself_as_the_advantage() -> None:
+    model, tok = started()
+    with mock.patch("minigpt.rewards.grpo_step", wraps=grpo_step) as step:
+        continue_training(model, tok, "reinforce", data(), SMALL, seed=0)
+    for call in step.call_args_list:
+        settings = call.args[4]
+        assert (settings.baseline, settings.scale, settings.kl_coef) == ("none", "none", 0.0)
 
 
 def test_each_grpo_method_asks_its_questions_and_is_rewarded_by_its_checker() -> None:
     model, tok = chat_model()
     night, terror = tiny_rhymes()[0], tiny_rhymes()[2]
-    for method in ("grpo", "grpo-kl", "grpo-rhymes-only", "grpo-leaky", "grpo-coin"):
+    for method in ("grpo", "grpo-kl", "grpo-rhymes-only", "reinforce", "grpo-leaky",
+                   "grpo-coin"):
         with mock.patch("minigpt.rewards.grpo_step", wraps=grpo_step) as step:
             continue_training(model, tok, method, data(), SMALL, seed=0)  # type: ignore[arg-type]
         for call in step.call_args_list:

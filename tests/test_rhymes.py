@@ -281,12 +281,15 @@ def test_every_batch_replays_its_share_of_the_older_families() -> None:
     model, tok = chat_model()
     settings = SFTSettings(steps=5, lr=1e-3, batch_size=8, replay_fraction=0.25)
     with mock.patch("minigpt.rhymes.train_step", wraps=train_step) as step:
-        losses = supervised_steps(model, tok, tiny_rhymes(), settings, replay=old_tasks())
+        history = supervised_steps(model, tok, tiny_rhymes(), settings, replay=old_tasks())
+    losses = history["loss"]
     assert step.call_count == 5 and len(losses) == 5
-    for call, loss in zip(step.call_args_list, losses, strict=True):
+    for call, loss, tokens in zip(step.call_args_list, losses, history["tokens_trained"],
+                                  strict=True):
         # one batch of eight conversations
         rows = [tok.decode(row.tolist()) for batch in call.args[2] for row in batch.x]
         assert len(call.args[2]) == 1 and len(rows) == 8
+        assert tokens == call.args[2][0].x.numel()  # what the step read
         assert sum("rhymes with: " in row for row in rows) == 6, rows  # 2 of 8 replayed
         assert loss > 0
     without = SFTSettings(steps=3, lr=1e-3, batch_size=8)
@@ -302,10 +305,12 @@ def test_supervised_steps_learn_the_answers_are_seeded_and_keep_the_mode() -> No
     for seed in (0, 0, 1):
         model, tok = chat_model()
         model.eval()
-        losses = supervised_steps(model, tok, tiny_rhymes(), settings.model_copy(
+        history = supervised_steps(model, tok, tiny_rhymes(), settings.model_copy(
             update={"seed": seed}), replay=old_tasks())
         assert not model.training
-        runs.append((losses, model.state_dict()))
+        assert len(history["tokens_trained"]) == 40  # B rows of the longest one's length
+        assert all(n > 0 and n % 4 == 0 for n in history["tokens_trained"])
+        runs.append((history["loss"], model.state_dict()))
     losses = runs[0][0]
     assert sum(losses[-5:]) / 5 < 0.5 * losses[0]  # measured: 4.0 -> 0.28
     assert runs[0][0] == runs[1][0]
@@ -322,8 +327,8 @@ def test_the_cold_start_trains_a_copy() -> None:
     model, tok = chat_model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     settings = COLD_START.model_copy(update={"steps": 3})
-    start, losses = cold_start(model, tok, tiny_rhymes(), old_tasks(), settings)
-    assert len(losses) == 3 and not start.training and start is not model
+    start, history = cold_start(model, tok, tiny_rhymes(), old_tasks(), settings)
+    assert len(history["loss"]) == 3 and not start.training and start is not model
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert any(not torch.equal(before[k], v) for k, v in start.state_dict().items())
     assert COLD_START.replay_fraction == 0.5

@@ -29,6 +29,7 @@ from minigpt.rl import (
     EVAL_CHUNK,
     GRPOSettings,
     RolloutBatch,
+    answer_entropy,
     evaluate_sampled,
     group_advantages,
     grpo_batch,
@@ -39,6 +40,7 @@ from minigpt.rl import (
     rft_step,
     rollout_loss,
     rollouts,
+    sampled_positions,
     score,
     token_logprobs,
     zero_signal_groups,
@@ -120,6 +122,15 @@ def test_a_group_whose_rewards_are_all_equal_gets_exactly_zero() -> None:
     assert ints.tolist() == [[0.5, -0.5], [0.0, 0.0]]
 
 
+def test_without_a_baseline_the_advantage_is_the_reward() -> None:
+    # REINFORCE without a baseline: every right answer pushes up, an all-right group too.
+    plain = group_advantages(REWARDS, scale="none", baseline="none")
+    torch.testing.assert_close(plain, REWARDS, rtol=0, atol=0)
+    assert plain.data_ptr() != REWARDS.data_ptr()  # a new tensor, the rewards untouched
+    with pytest.raises(AssertionError, match="no spread to divide by"):
+        group_advantages(REWARDS, scale="std", baseline="none")
+
+
 def test_advantages_assert_their_shape() -> None:
     # Inside the step: the rewards are made by `score`, so a wrong shape is a bug, not input.
     with pytest.raises(AssertionError, match=r"rewards \(P, G\)"):
@@ -183,11 +194,33 @@ def test_the_kl_penalty_on_hand_values() -> None:
     logp = torch.tensor([[math.log(0.5)]], dtype=torch.float64)
     ref = torch.tensor([[math.log(0.25)]], dtype=torch.float64)
     zero, mask = torch.zeros(1, dtype=torch.float64), torch.ones(1, 1, dtype=torch.bool)
-    k1 = grpo_loss(logp, logp, zero, mask, ref_logp=ref, kl_coef=0.1, kl="k1")
-    k3 = grpo_loss(logp, logp, zero, mask, ref_logp=ref, kl_coef=0.1, kl="k3")
-    assert k1.item() == pytest.approx(0.1 * math.log(2))  # log pi - log ref
+    k3 = grpo_loss(logp, logp, zero, mask, ref_logp=ref, kl_coef=0.1)
     assert k3.item() == pytest.approx(0.1 * (0.5 - 1 + math.log(2)))  # r - 1 - log r, r = 1/2
     assert grpo_loss(logp, logp, zero, mask, ref_logp=ref).item() == 0.0  # kl_coef 0
+
+
+def test_the_loss_penalises_k3_whose_expected_gradient_is_that_of_the_reverse_kl() -> None:
+    """The loss's penalty, averaged exactly over tokens drawn from pi (each token's loss
+    weighted by pi, the samples held fixed), has the gradient of beta KL(pi_ref || pi):
+    k3's (Tang and Munos, 2025). k1 in its place would have an expected gradient of 0,
+    which is why the loss offers no k1."""
+    gen = torch.Generator().manual_seed(0)
+    theta = torch.randn(6, generator=gen, dtype=torch.float64, requires_grad=True)
+    ref = torch.log_softmax(torch.randn(6, generator=gen, dtype=torch.float64), 0)
+    logp = torch.log_softmax(theta, 0)
+    pi = logp.exp().detach()
+    mask = torch.ones(6, 1, dtype=torch.bool)
+    zero = torch.zeros(6, dtype=torch.float64)
+    per_token = [grpo_loss(logp[i:i + 1, None], logp[i:i + 1, None].detach(), zero[:1],
+                           mask[:1], ref_logp=ref[i:i + 1, None], kl_coef=0.5)
+                 for i in range(6)]
+    expected_loss = sum(w * loss for w, loss in zip(pi, per_token, strict=True))
+    (grad,) = torch.autograd.grad(expected_loss, theta, retain_graph=True)
+    (reverse,) = torch.autograd.grad(0.5 * (ref.exp() * (ref - logp)).sum(), theta,
+                                     retain_graph=True)
+    torch.testing.assert_close(grad, reverse, rtol=0, atol=1e-12)
+    (k1,) = torch.autograd.grad((pi * kl_estimate(logp, ref, "k1")).sum(), theta)
+    assert k1.abs().max() < 1e-12
 
 
 def test_the_loss_asserts_what_its_settings_imply() -> None:
@@ -469,6 +502,30 @@ def test_a_step_measures_and_moves_the_policy() -> None:
     with torch.no_grad():
         loss = rollout_loss(model.eval(), batch, settings=SETTINGS)
     assert loss.item() == pytest.approx(stats.loss, abs=1e-6)
+    # what it logged of the sampler, and the work it did
+    assert stats.entropy == pytest.approx(answer_entropy(model, batch.x, batch.mask).item(),
+                                          abs=1e-6)
+    prompts = batch.mask.int().argmax(dim=1) + 1  # the first answer target ends the prompt
+    assert stats.answers == 32 and stats.tokens_trained == batch.x.numel()
+    assert stats.tokens_sampled == int((prompts + SETTINGS.max_new_tokens - 1).sum())
+    assert stats.tokens_scored == 2 * batch.x.numel()  # the sampler's and the reference's
+
+
+def test_the_entropy_is_the_mean_over_the_answers_tokens() -> None:
+    model, tok = peaked_model()
+    x = torch.tensor([[1, 2, 3, 4], [4, 3, 2, 1]])
+    mask = torch.tensor([[False, True, True, False], [True, True, True, True]])
+    with torch.no_grad():
+        every = torch.distributions.Categorical(logits=model.eval()(x).float()).entropy()
+    assert answer_entropy(model, x, mask).item() == pytest.approx(every[mask].mean().item(),
+                                                                  abs=1e-6)
+
+
+def test_the_sampler_reads_each_prompt_and_every_drawn_token_but_the_last() -> None:
+    # prompts of 2 and 4 tokens (the first answer target sits at 1 and 3), T = 5: the first
+    # row draws 3 tokens and reads 2 + 2, the second draws the 1 that fits and reads 4
+    mask = torch.tensor([[False, True, True, True], [False, False, False, True]])
+    assert sampled_positions(mask, max_new_tokens=3, context_length=5) == 4 + 4
 
 
 def test_a_step_is_rewarded_by_the_reward_it_is_given() -> None:
@@ -555,7 +612,8 @@ def test_steps_raise_the_expected_reward(scale: str, length_norm: str) -> None:
     ("clip", float("inf"), "clip\n  Input should be a finite number"),
     ("kl_coef", -0.1, "kl_coef\n  Input should be greater than or equal to 0"),
     ("grad_clip", float("nan"), "grad_clip\n  Input should be a finite number"),
-    ("kl", "k2", "kl\n  Input should be 'k1' or 'k3'"),
+    ("kl", "k3", "kl\n  Extra inputs are not permitted"),  # the loss's penalty is k3 alone
+    ("baseline", "mean", "baseline\n  Input should be 'group' or 'none'"),
     ("scale", "mad", "scale\n  Input should be 'std' or 'none'"),
     ("length_norm", "token", "length_norm\n  Input should be 'sequence' or 'constant'"),
     ("clipping", 0.1, "clipping\n  Extra inputs are not permitted"),
@@ -563,6 +621,12 @@ def test_steps_raise_the_expected_reward(scale: str, length_norm: str) -> None:
 def test_bad_settings_are_refused(field: str, value: object, needle: str) -> None:
     with pytest.raises(ValueError, match=needle):
         GRPOSettings(**{field: value})  # type: ignore[arg-type]
+
+
+def test_no_baseline_needs_no_spread() -> None:
+    with pytest.raises(ValueError, match="scale must be 'none'"):
+        GRPOSettings(baseline="none")
+    assert GRPOSettings(baseline="none", scale="none").baseline == "none"
 
 
 def test_a_kl_penalty_needs_a_reference() -> None:
@@ -588,6 +652,10 @@ def test_rejection_sampling_is_one_supervised_step_on_the_right_samples() -> Non
     assert stats.kept == int(keep.sum()) and 0 < stats.kept < rewards.numel()
     assert stats.reward == rewards.mean().item() and stats.zero_signal == 0.25  # as GRPO's
     assert stats.length == 3.0 and stats.grad_norm > 0
+    assert stats.answers == 32 and stats.tokens_scored == 0
+    assert stats.tokens_trained == stats.kept * batch.x.shape[1]  # the kept rows alone
+    assert stats.entropy == pytest.approx(answer_entropy(twin.eval(), batch.x,
+                                                         batch.mask).item(), abs=1e-6)
     twin_opt = configure_optimizer(twin, lr=1e-3, weight_decay=0.0)
     result = train_step(twin, twin_opt, [Batch(batch.x[keep], batch.y[keep], batch.mask[keep])],
                         grad_clip=SETTINGS.grad_clip)

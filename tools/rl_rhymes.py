@@ -10,8 +10,9 @@ rates (`minigpt.rewards.LR`) were chosen so: for each method, the rate of 1e-4, 
 6e-4, 1.2e-3 (SFT) or 1e-3 (GRPO, rejection sampling) with the best ``--validation``
 pass@1 among those that kept the older families' exact match within 0.03 of the cold
 start's. The chapter prints that sweep from book/data/rewards_sweep.jsonl, made so (about
-two minutes a run; each row records the cold start's cache key, and the chapter prints
-whether it is the one it continues):
+two minutes a run; each row records the cold start's cache key and the sha256 of its
+weights, and the chapter prints whether those are the weights it continues: the key moves
+with any change to the code that trains the runs, the weights only if the start changed):
 
     for m in grpo rft; do for lr in 0.0001 0.0003 0.001; do .venv/bin/python
         tools/rl_rhymes.py --validation --json book/data/rewards_sweep.jsonl

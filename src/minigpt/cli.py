@@ -693,6 +693,9 @@ def rl_command(args: argparse.Namespace, argv: list[str]) -> int:
         ev = rewards.evaluate_run(model, start, tokenizer, data, recipe, seed=args.seed)
     row = {"method": args.method, "start": name, "seed": args.seed,
            "validation": args.validation, "cold_start_key": None if info is None else info.key,
+           # the key moves with any change to the code that trains; the weights only if
+           # the start itself changed
+           "cold_start_weights_sha256": None if info is None else info.manifest["weights_sha256"],
            "steps": steps, "lr": lr, "seconds": round(seconds, 1), "cpu_seconds": round(cpu, 1),
            **{k: v for k, v in ev.items() if k not in ("words", "answers", "greedy_answers")},
            **{f"{k}_last10": statistics.fmean(v[-10:]) for k, v in history.items() if v}}

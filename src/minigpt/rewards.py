@@ -1,16 +1,19 @@
-"""The rewards chapter's runs: a cold start on rhymes, then eight ways to continue from it
-at equal compute, each trained once at set-up and cached like the assistants.
+"""The rewards chapter's runs: a cold start on rhymes, then nine ways to continue from it
+for about a minute of CPU time each, each trained once at set-up and cached like the
+assistants.
 
 The chat model ``sft-0`` (`minigpt.assistant.sft_model`) answers ``rhymes with: x``
 (`minigpt.rhymes`) in the older families' formats and almost never rightly, so learning from
 rewards has nothing to reinforce. `cold_model` gives it a start: a minute of SFT on random
 right answers, half of each batch replaying the older families (`minigpt.rhymes.cold_start`).
 `run_model` continues from that start with one `Method`, a seed and the recipe's number of
-optimiser steps, which gives every method about the same CPU time (`STEPS`):
+optimiser steps (`STEPS`, about a minute of CPU time each; `training_compute` counts what
+a run spent from its per-step history):
 
 * ``grpo``: GRPO (`minigpt.rl.grpo_step`), rewarded by the checker (`minigpt.rhymes.is_right`);
   ``grpo-kl`` with a KL penalty to the start; ``grpo-rhymes-only`` with no older family's
-  question in its batches (the others ask a quarter of them);
+  question in its batches (the others ask a quarter of them); ``reinforce``, GRPO's step
+  without a baseline (the reward itself is the advantage);
 * ``rft``: rejection-sampling fine-tuning (`minigpt.rl.rft_step`) with the same checker;
 * ``sft-random``, ``sft-frequent``: SFT on a random right answer to each word, or on its most
   frequent one in the corpus (a teacher who knows the corpus);
@@ -38,7 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal, NamedTuple, get_args
 
 import numpy as np
 import torch
@@ -53,6 +56,7 @@ from minigpt.assistant import (
     sft_model,
 )
 from minigpt.chat import prompt_ids
+from minigpt.compute import matmul_weights
 from minigpt.data import split_text
 from minigpt.dpo import sampled_kl
 from minigpt.losses import bits_per_character
@@ -77,10 +81,10 @@ from minigpt.tokenizer import END_OF_TURN, CharTokenizer, Tokenizer
 
 #: The package's modules that importing this one loads; their source is part of every run's
 #: cache key.
-REWARDS_MODULES = tuple(sorted({*ASSISTANT_MODULES, "rewards", "rhymes", "rl"}))
+REWARDS_MODULES = tuple(sorted({*ASSISTANT_MODULES, "compute", "rewards", "rhymes", "rl"}))
 
-Method = Literal["grpo", "grpo-kl", "grpo-rhymes-only", "rft", "sft-random", "sft-frequent",
-                 "grpo-leaky", "grpo-coin"]
+Method = Literal["grpo", "grpo-kl", "grpo-rhymes-only", "reinforce", "rft", "sft-random",
+                 "sft-frequent", "grpo-leaky", "grpo-coin"]
 METHODS: tuple[Method, ...] = get_args(Method)
 #: What a method's steps are: GRPO's (with rollouts), rejection sampling's, or SFT's.
 Kind = Literal["grpo", "rft", "sft"]
@@ -94,17 +98,17 @@ def kind(method: Method) -> Kind:
 #: Optimiser steps of each method: 50 to 65 CPU seconds of training on one thread of a
 #: 2-core AMD EPYC (a GRPO step with its rollouts takes about 1.2 s, 1.7 s with the KL's two
 #: extra forward passes; a rejection-sampling step 0.7 s, an SFT step 40 ms).
-STEPS: dict[Method, int] = {"grpo": 50, "grpo-kl": 35, "grpo-rhymes-only": 50, "rft": 80,
-                            "sft-random": 1300, "sft-frequent": 1300, "grpo-leaky": 50,
-                            "grpo-coin": 50}
+STEPS: dict[Method, int] = {"grpo": 50, "grpo-kl": 35, "grpo-rhymes-only": 50, "reinforce": 50,
+                            "rft": 80, "sft-random": 1300, "sft-frequent": 1300,
+                            "grpo-leaky": 50, "grpo-coin": 50}
 #: AdamW's constant rate of each method: of 1e-4, 3e-4 and 1e-3 (GRPO, rejection sampling)
 #: or 3e-4, 6e-4 and 1.2e-3 (SFT), the rate with the best pass@1 on 100 held-out words that
 #: the chapter's evaluation does not read, among those that kept the older families' mean
 #: exact match within 0.03 of the cold start's (`tools/rl_rhymes.py --validation`, seed 0);
-#: GRPO's variants take GRPO's.
+#: GRPO's variants, REINFORCE without a baseline among them, take GRPO's.
 LR: dict[Method, float] = {"grpo": 3e-4, "grpo-kl": 3e-4, "grpo-rhymes-only": 3e-4,
-                           "rft": 1e-4, "sft-random": 6e-4, "sft-frequent": 6e-4,
-                           "grpo-leaky": 3e-4, "grpo-coin": 3e-4}
+                           "reinforce": 3e-4, "rft": 3e-4, "sft-random": 6e-4,
+                           "sft-frequent": 6e-4, "grpo-leaky": 3e-4, "grpo-coin": 3e-4}
 
 
 class RewardsRecipe(BaseModel):
@@ -224,9 +228,13 @@ def continue_training(model: GPT, tokenizer: Tokenizer, method: Method, data: Re
                       ) -> dict[str, list[float]]:
     """Train the chat model ``model`` in place with ``method`` from where it is (the cold
     start), for ``steps`` optimiser steps at AdamW's constant rate ``lr`` (default: the
-    recipe's); returns the per-step history: ``reward`` and ``zero_signal`` (the share of
-    groups whose answers all scored the same) for GRPO and rejection sampling, ``kl``
-    (to the start, nats an answer) for ``grpo-kl``, ``loss`` for SFT.
+    recipe's); returns the per-step history. GRPO and rejection sampling record what
+    practitioners log: ``reward``, ``zero_signal`` (the share of groups whose answers all
+    scored the same), ``entropy`` (`minigpt.rl.answer_entropy`, nats a token), ``length``
+    (tokens an answer), ``grad_norm``, and ``kl`` (to the start, nats an answer) for
+    ``grpo-kl``; SFT records its ``loss``. Every method records the work of each step:
+    ``answers`` sampled, ``tokens_sampled``, ``tokens_trained`` and ``tokens_scored``
+    (`minigpt.rl.GRPOStats`; SFT only trains), from which `training_compute` counts FLOPs.
 
     GRPO and rejection sampling ask `RewardsRecipe.rhymes_per_step` rhymes questions and
     `RewardsRecipe.old_per_step` of the older families (rewarded by exact match) a step,
@@ -240,18 +248,22 @@ def continue_training(model: GPT, tokenizer: Tokenizer, method: Method, data: Re
         tasks = data.rhymes.train if method == "sft-random" else data.frequent.train
         sft = SFTSettings(steps=steps, lr=lr, batch_size=recipe.sft_batch,
                           replay_fraction=recipe.sft_replay, seed=seed)
-        return {"loss": supervised_steps(model, tokenizer, tasks, sft, replay=data.old.train)}
+        return supervised_steps(model, tokenizer, tasks, sft, replay=data.old.train)
     rewards: dict[str, Reward] = {"grpo-leaky": scorer(is_right_leaky),
                                   "grpo-coin": coin(torch.Generator().manual_seed(seed + 1))}
     reward = rewards.get(method, scorer(rhymes_checker(data.vocab)))
     beta = recipe.kl_coef if method == "grpo-kl" else 0.0
     settings = recipe.grpo.model_copy(update={"kl_coef": beta})
+    if method == "reinforce":  # the reward itself is the advantage
+        settings = settings.model_copy(update={"baseline": "none", "scale": "none"})
     reference = copy.deepcopy(model).requires_grad_(False) if beta else None
     n_old = 0 if method == "grpo-rhymes-only" else recipe.old_per_step
     n_rhymes = recipe.rhymes_per_step + recipe.old_per_step - n_old
     optimizer = configure_optimizer(model, lr=lr, weight_decay=0.0)
     rng, generator = random.Random(seed), torch.Generator().manual_seed(seed)
-    history: dict[str, list[float]] = {"reward": [], "zero_signal": []}
+    logged = ("reward", "zero_signal", "entropy", "length", "grad_norm", "answers",
+              "tokens_sampled", "tokens_trained", "tokens_scored")
+    history: dict[str, list[float]] = {name: [] for name in logged}
     for _ in range(steps):
         tasks = rng.sample(data.rhymes.train, n_rhymes) + rng.sample(data.old.train, n_old)
         if k == "rft":
@@ -262,10 +274,33 @@ def continue_training(model: GPT, tokenizer: Tokenizer, method: Method, data: Re
                               reward=reward, reference=reference)
             if stats.kl is not None:
                 history.setdefault("kl", []).append(stats.kl)
-        history["reward"].append(stats.reward)
-        history["zero_signal"].append(stats.zero_signal)
+        for name in logged:
+            history[name].append(float(getattr(stats, name)))
     model.eval()
     return history
+
+
+class Compute(NamedTuple):
+    """What a run's training did, summed over its steps (`training_compute`)."""
+
+    answers: int
+    tokens_sampled: int
+    tokens_trained: int
+    tokens_scored: int
+    flops: int
+
+
+def training_compute(history: dict[str, list[float]], model: GPT) -> Compute:
+    """The work of a run from its history (`continue_training`'s): the answers it sampled,
+    the positions its sampler read, those its training steps read forward and backward,
+    those read forward only to score (the KL's log-probabilities), and the FLOPs of its
+    matrix products: 2 N_W a position forward, 6 N_W forward and backward
+    (`minigpt.compute.matmul_weights`; attention over these short rows is left out)."""
+    total = {name: int(sum(history.get(name, ()))) for name in Compute._fields[:-1]}
+    n_w = matmul_weights(model)
+    flops = (2 * n_w * (total["tokens_sampled"] + total["tokens_scored"])
+             + 6 * n_w * total["tokens_trained"])
+    return Compute(**total, flops=flops)
 
 
 # --------------------------------------------------------------------------- evaluation
@@ -347,12 +382,12 @@ def cold_model(*, progress: bool = False, recipe: RewardsRecipe = REWARDS_RECIPE
             zero_shot = evaluate_run(chat_model, chat_model, chat, data, recipe)
             old_room = room(chat_model, chat, data.old)
             t0, c0 = time.perf_counter(), time.process_time()
-            model, losses = cold_start(chat_model, chat, data.rhymes.train, data.old.train,
-                                       recipe.cold)
+            model, history = cold_start(chat_model, chat, data.rhymes.train, data.old.train,
+                                        recipe.cold)
             seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
             evaluation = evaluate_run(model, model, chat, data, recipe)
         return model, {"evaluation": evaluation, "zero_shot": zero_shot, "room": old_room,
-                       "train_seconds": seconds, "train_cpu_seconds": cpu}, {"loss": losses}
+                       "train_seconds": seconds, "train_cpu_seconds": cpu}, history
 
     model, info = cached_model(_material("rhymes-cold", parent, chat_model, recipe), build,
                                progress=progress)

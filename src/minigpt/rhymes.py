@@ -315,9 +315,12 @@ COLD_START = SFTSettings(steps=1500, lr=6e-4, batch_size=8, replay_fraction=0.5,
 
 
 def supervised_steps(model: GPT, tokenizer: Tokenizer, tasks: Sequence[Task],
-                     settings: SFTSettings, *, replay: Sequence[Task] = ()) -> list[float]:
+                     settings: SFTSettings, *, replay: Sequence[Task] = (),
+                     ) -> dict[str, list[float]]:
     """``settings.steps`` steps of supervised fine-tuning of the chat model ``model``, in
-    place, on ``tasks`` with a share of ``replay`` in every batch; returns the losses.
+    place, on ``tasks`` with a share of ``replay`` in every batch; returns the history:
+    each step's ``loss`` and ``tokens_trained``, the positions its forward and backward
+    passes read (the batch's B rows, padded to the longest).
 
     Each task is one exchange, question then answer, masked to the answer
     (`minigpt.sft.encode_tasks`); each step draws round(B * replay_fraction) of the B
@@ -338,30 +341,31 @@ def supervised_steps(model: GPT, tokenizer: Tokenizer, tasks: Sequence[Task],
     device = next(model.parameters()).device
     optimizer = configure_optimizer(model, lr=settings.lr, weight_decay=0.0)
     generator = torch.Generator().manual_seed(settings.seed)
-    losses = []
+    losses, tokens = [], []
     was_training = model.training
     model.train()
     for _ in range(settings.steps):
         rows = torch.randint(0, len(tasks), (B - share,), generator=generator).tolist()
         rows += (len(tasks) + torch.randint(0, max(len(replay), 1), (share,),
                                             generator=generator)).tolist()
-        result = train_step(model, optimizer, [data.batch(rows).to(device)],
-                            grad_clip=settings.grad_clip)
+        batch = data.batch(rows).to(device)
+        result = train_step(model, optimizer, [batch], grad_clip=settings.grad_clip)
         losses.append(result.loss)  # read after the loop: no wait on every step
+        tokens.append(float(batch.x.numel()))
     model.train(was_training)
-    return torch.stack(losses).tolist()
+    return {"loss": torch.stack(losses).tolist(), "tokens_trained": tokens}
 
 
 def cold_start(model: GPT, tokenizer: Tokenizer, tasks: Sequence[Task],
                replay: Sequence[Task], settings: SFTSettings = COLD_START,
-               ) -> tuple[GPT, list[float]]:
+               ) -> tuple[GPT, dict[str, list[float]]]:
     """A copy of the chat model ``model`` that answers rhymes questions sometimes: SFT on
     rhymes ``tasks`` (random right answers, `make_rhymes`'s default teacher) with
     ``replay``, tasks of the older families, in every batch (`supervised_steps`; by
     default `COLD_START`: half of each batch), so that it does not forget them. Learning
     from rewards needs such a start, as R1 did (DeepSeek-AI, 2025): a model that never
     samples a right answer earns no reward to learn from. Returns the copy, in eval mode,
-    and the losses; ``model`` is not changed."""
+    and its history (`supervised_steps`); ``model`` is not changed."""
     start = copy.deepcopy(model)
-    losses = supervised_steps(start, tokenizer, tasks, settings, replay=replay)
-    return start.eval(), losses
+    history = supervised_steps(start, tokenizer, tasks, settings, replay=replay)
+    return start.eval(), history

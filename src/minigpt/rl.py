@@ -36,7 +36,7 @@ from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor, nn
 
 from minigpt.chat import prompt_ids
@@ -51,6 +51,7 @@ from minigpt.tokenizer import END_OF_TURN, Tokenizer
 from minigpt.train import train_step
 
 Scale = Literal["std", "none"]
+Baseline = Literal["group", "none"]
 KLKind = Literal["k1", "k3"]
 LengthNorm = Literal["sequence", "constant"]
 
@@ -90,7 +91,8 @@ def zero_signal_groups(rewards: Tensor) -> Tensor:
     return (rewards == rewards[:, :1]).all(dim=1)
 
 
-def group_advantages(rewards: Tensor, *, scale: Scale = "std", eps: float = 1e-6) -> Tensor:
+def group_advantages(rewards: Tensor, *, scale: Scale = "std", baseline: Baseline = "group",
+                     eps: float = 1e-6) -> Tensor:
     """Each answer's advantage over its group: rewards (P, G) -> advantages (P, G).
 
     A_ij = r_ij - mean_j r_ij, the reward minus its group's mean (the baseline), divided by
@@ -100,16 +102,20 @@ def group_advantages(rewards: Tensor, *, scale: Scale = "std", eps: float = 1e-6
     A group whose rewards are all equal gets advantage exactly 0 (`zero_signal_groups`).
     The mean includes the answer's own reward, so it is not quite independent of the
     answer: with ``"none"`` the expected policy gradient is (G - 1)/G of the true one, a
-    smaller step in the same direction.
+    smaller step in the same direction. ``baseline="none"`` (with ``scale="none"``) is
+    REINFORCE without a baseline: the advantage is the reward itself.
 
     Args:
         rewards: (P, G), G answers to each of P prompts.
-        scale: "std" or "none".
+        scale: "std" or "none". baseline: "group" or "none".
         eps: > 0, keeps the division finite.
     """
     assert rewards.dim() == 2, "rewards (P, G): P prompts x G answers"
     if not rewards.is_floating_point():
         rewards = rewards.to(torch.get_default_dtype())
+    if baseline == "none":
+        assert scale == "none", "without a baseline there is no spread to divide by"
+        return rewards.clone()
     advantages = rewards - rewards.mean(dim=1, keepdim=True)
     if scale == "std":
         advantages = advantages / (rewards.std(dim=1, keepdim=True, correction=0) + eps)
@@ -150,13 +156,15 @@ def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: KLKind = "k3") -> Tensor:
 
 def grpo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
               clip: float = 0.2, ref_logp: Tensor | None = None, kl_coef: float = 0.0,
-              kl: KLKind = "k3", length_norm: LengthNorm = "sequence",
-              max_tokens: int | None = None) -> Tensor:
+              length_norm: LengthNorm = "sequence", max_tokens: int | None = None) -> Tensor:
     """GRPO's loss, to minimise: minus the clipped objective, with a KL penalty.
 
     For each answer token, with its answer's advantage A:
         ratio = exp(logp - old_logp), the policy's probability over the sampler's;
-        objective = min(ratio A, clip(ratio, 1 - clip, 1 + clip) A) - kl_coef * kl.
+        objective = min(ratio A, clip(ratio, 1 - clip, 1 + clip) A) - kl_coef * k3,
+    with k3 the KL estimate of `kl_estimate`. Differentiated here, with the sampled tokens
+    held fixed, k3 pulls the policy along the gradient of KL(pi_ref || pi) (Tang and Munos,
+    2025); k1 would not pull at all (its expected gradient is 0), so the loss has no k1.
     Once the ratio is past 1 + clip where A > 0 (below 1 - clip where A < 0), the min
     takes the constant clipped term and the token gives no gradient: several steps on one
     batch of rollouts cannot carry the policy far from the one that sampled it (PPO's clip,
@@ -178,9 +186,7 @@ def grpo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, 
         advantages: (N,) each answer's advantage (`group_advantages`, flattened).
         mask: (N, L) bool, True on the answers' tokens (their end token included).
         clip: epsilon > 0. ref_logp: (N, L) under the reference, needed if kl_coef > 0.
-        kl_coef: beta >= 0. kl: "k1" or "k3" (`kl_estimate`): in this loss, k3 pulls the
-            policy along the gradient of KL(pi_ref || pi), and k1 not at all on average
-            (its expected gradient is 0; it is here to show that).
+        kl_coef: beta >= 0.
         length_norm: "sequence" or "constant". max_tokens: the constant (>= 1).
     Returns: a scalar.
 
@@ -194,7 +200,7 @@ def grpo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, 
     objective = torch.minimum(ratio * a, ratio.clamp(1 - clip, 1 + clip) * a)
     if kl_coef > 0:
         assert ref_logp is not None, "a KL penalty needs the reference's log-probabilities"
-        objective = objective - kl_coef * kl_estimate(logp, ref_logp, kl)
+        objective = objective - kl_coef * kl_estimate(logp, ref_logp, "k3")
     total = torch.where(mask, objective, 0.0).sum(dim=1)  # (N,)
     if length_norm == "sequence":
         per_answer = total / mask.sum(dim=1).clamp(min=1)
@@ -286,8 +292,10 @@ class GRPOSettings(BaseModel):
             ``length_norm="constant"``).
         temperature: the sampling temperature, >= 0; 1 samples from the policy itself,
             which the policy gradient assumes.
-        clip: PPO's epsilon > 0. kl_coef: beta >= 0, the KL penalty's weight.
-        kl: the KL estimator, "k1" or "k3". scale: "std" (GRPO) or "none" (Dr. GRPO).
+        clip: PPO's epsilon > 0. kl_coef: beta >= 0, the KL penalty's weight (on k3).
+        scale: "std" (GRPO) or "none" (Dr. GRPO).
+        baseline: "group" (the group's mean) or "none" (REINFORCE without a baseline: the
+            advantage is the reward; needs ``scale="none"``).
         length_norm: "sequence" (GRPO) or "constant" (Dr. GRPO).
         grad_clip: the gradient's largest norm (0: not clipped).
     """
@@ -301,11 +309,18 @@ class GRPOSettings(BaseModel):
     clip: float = Field(default=0.2, gt=0.0, allow_inf_nan=False, description="PPO's epsilon")
     kl_coef: float = Field(default=0.0, ge=0.0, allow_inf_nan=False,
                            description="the KL penalty's weight")
-    kl: KLKind = "k3"
     scale: Scale = "std"
+    baseline: Baseline = "group"
     length_norm: LengthNorm = "sequence"
     grad_clip: float = Field(default=1.0, ge=0.0, allow_inf_nan=False,
                              description="the gradient's largest norm (0: not clipped)")
+
+    @model_validator(mode="after")
+    def _no_spread_without_a_baseline(self) -> GRPOSettings:
+        if self.baseline == "none" and self.scale != "none":
+            raise ValueError("baseline='none' takes the reward itself as the advantage: there "
+                             "is no group spread to divide by, so scale must be 'none'")
+        return self
 
 
 class RolloutBatch(NamedTuple):
@@ -351,7 +366,8 @@ def grpo_batch(policy: GPT, tokenizer: Tokenizer, tasks: Sequence[Task],
                    max_new_tokens=settings.max_new_tokens, temperature=settings.temperature)
     rewards = reward(out.texts, [t for t in tasks for _ in range(G)]).view(len(tasks), G)
     rewards = rewards.to(out.ids.device)
-    advantages = group_advantages(rewards, scale=settings.scale).flatten()
+    advantages = group_advantages(rewards, scale=settings.scale,
+                                  baseline=settings.baseline).flatten()
     x, y, mask = out.ids[:, :-1], out.ids[:, 1:], out.mask[:, 1:]
     old_logp = ref_logp = None
     if reference is not None:  # the KL to it needs both the sampler's and its own
@@ -378,22 +394,50 @@ def rollout_loss(model: nn.Module, batch: RolloutBatch, *, settings: GRPOSetting
     logp = token_logprobs(model, batch.x, batch.y, batch.mask)
     old_logp = logp.detach() if batch.old_logp is None else batch.old_logp
     return grpo_loss(logp, old_logp, batch.advantages, batch.mask, clip=settings.clip,
-                     ref_logp=batch.ref_logp, kl_coef=settings.kl_coef, kl=settings.kl,
+                     ref_logp=batch.ref_logp, kl_coef=settings.kl_coef,
                      length_norm=settings.length_norm, max_tokens=settings.max_new_tokens)
+
+
+@torch.no_grad()
+def answer_entropy(model: nn.Module, x: Tensor, mask: Tensor) -> Tensor:
+    """The mean entropy, in nats, of the model's next-token distribution where ``mask``:
+    a scalar, the mean over the masked positions (the answers' tokens) of
+    -sum_v pi(v) log pi(v). A run whose entropy falls towards 0 samples one answer.
+
+    Args:
+        model: a GPT, in the mode it should run in. x: (N, L) inputs. mask: (N, L) bool.
+    """
+    logp = F.log_softmax(model(x).float(), dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1)[mask].mean()
+
+
+def sampled_positions(mask: Tensor, *, max_new_tokens: int, context_length: int) -> int:
+    """How many positions `rollouts`' forward passes read to sample a batch whose answers'
+    ``mask`` (N, L) is `RolloutBatch`'s (True on the targets of the answers' tokens): for
+    each row, its prompt and every drawn token but the last, n + min(max_new_tokens, T - n)
+    - 1 for a prompt of n tokens (`minigpt.generate` draws that many for every row)."""
+    n = mask.int().argmax(dim=1) + 1  # the first answer target sits at the prompt's end
+    return int((n + (context_length - n).clamp(max=max_new_tokens) - 1).sum())
 
 
 @dataclass(frozen=True)
 class GRPOStats:
-    """What one GRPO step measured (averaged over the ranks).
+    """What one GRPO step measured (averaged over the ranks, but the counts: this rank's).
 
     Attributes:
         reward: the mean reward of the sampled answers.
         zero_signal: the fraction of groups whose answers all scored the same.
         loss: `grpo_loss` of the batch, before the step.
-        kl: the KL estimate (``settings.kl``) of the policy that sampled to the reference,
-            summed over each answer's tokens, in nats per answer; None without a reference.
+        kl: the KL estimate k3 of the policy that sampled to the reference, summed over
+            each answer's tokens, in nats per answer; None without a reference.
         length: the mean number of tokens an answer has (its end token included).
+        entropy: `answer_entropy` of the policy that sampled, over the answers' tokens.
         grad_norm: the gradient's norm before clipping.
+        answers: answers sampled. tokens_sampled: positions the sampler's forward passes
+            read (`sampled_positions`). tokens_trained: positions the loss's forward and
+            backward passes read. tokens_scored: positions read by forward passes without
+            a gradient (the sampler's and the reference's log-probabilities of the KL; the
+            entropy, a measurement, is not counted).
     """
 
     reward: float
@@ -401,7 +445,12 @@ class GRPOStats:
     loss: float
     kl: float | None
     length: float
+    entropy: float
     grad_norm: float
+    answers: int
+    tokens_sampled: int
+    tokens_trained: int
+    tokens_scored: int
 
 
 def grpo_step(policy: GPT, optimizer: Optimizer, tokenizer: Tokenizer, tasks: Sequence[Task],
@@ -434,19 +483,26 @@ def grpo_step(policy: GPT, optimizer: Optimizer, tokenizer: Tokenizer, tasks: Se
     with eval_mode(policy):
         batch, rewards = grpo_batch(policy, tokenizer, tasks, settings, generator=generator,
                                     reference=reference, reward=reward)
+        entropy = answer_entropy(policy, batch.x, batch.mask)
         result = train_step(policy if trainee is None else trainee, optimizer, [batch],
                             grad_clip=settings.grad_clip,
                             loss_fn=partial(rollout_loss, settings=settings))
     kl = torch.zeros((), device=rewards.device)
     if batch.old_logp is not None and batch.ref_logp is not None:
-        per_token = kl_estimate(batch.old_logp, batch.ref_logp, settings.kl)
+        per_token = kl_estimate(batch.old_logp, batch.ref_logp, "k3")
         kl = torch.where(batch.mask, per_token, 0.0).sum(dim=1).mean()
     measured = torch.stack([rewards.mean(), zero_signal_groups(rewards).float().mean(),
-                            result.loss, kl,
-                            batch.mask.sum(dim=1).float().mean()])
-    mean_reward, zero_signal, loss, kl_value, length = mean_over_ranks(measured, ctx).tolist()
+                            result.loss, kl, batch.mask.sum(dim=1).float().mean(), entropy])
+    mean_reward, zero_signal, loss, kl_value, length, mean_entropy = mean_over_ranks(
+        measured, ctx).tolist()
+    positions = batch.x.numel()
     return GRPOStats(mean_reward, zero_signal, loss, kl_value if reference is not None else None,
-                     length, result.grad_norm.item())
+                     length, mean_entropy, result.grad_norm.item(), answers=len(batch.x),
+                     tokens_sampled=sampled_positions(
+                         batch.mask, max_new_tokens=settings.max_new_tokens,
+                         context_length=policy.config.context_length),
+                     tokens_trained=positions,
+                     tokens_scored=0 if batch.old_logp is None else 2 * positions)
 
 
 # ------------------------------------------------------------ rejection sampling (RFT)
@@ -463,7 +519,10 @@ class RFTStats:
         loss: the masked cross-entropy of the kept answers before the step, in nats per
             token; nan when none was kept (and no step was taken).
         length: the mean number of tokens an answer has (its end token included).
+        entropy: `answer_entropy` of the policy that sampled, over all the answers' tokens.
         grad_norm: the gradient's norm before clipping (0 without a step).
+        answers, tokens_sampled, tokens_trained, tokens_scored: as `GRPOStats`' (the kept
+            answers' rows are trained; nothing is scored without a gradient).
     """
 
     reward: float
@@ -471,7 +530,12 @@ class RFTStats:
     kept: int
     loss: float
     length: float
+    entropy: float
     grad_norm: float
+    answers: int
+    tokens_sampled: int
+    tokens_trained: int
+    tokens_scored: int = 0
 
 
 def rft_step(policy: GPT, optimizer: Optimizer, tokenizer: Tokenizer, tasks: Sequence[Task],
@@ -497,6 +561,8 @@ def rft_step(policy: GPT, optimizer: Optimizer, tokenizer: Tokenizer, tasks: Seq
     """
     batch, rewards = grpo_batch(policy, tokenizer, tasks, settings, generator=generator,
                                 reward=reward)
+    with eval_mode(policy):
+        entropy = answer_entropy(policy, batch.x, batch.mask).item()
     keep = rewards.flatten() > 0
     kept = int(keep.sum())
     loss, grad_norm = math.nan, 0.0
@@ -505,7 +571,12 @@ def rft_step(policy: GPT, optimizer: Optimizer, tokenizer: Tokenizer, tasks: Seq
         result = train_step(policy, optimizer, [right], grad_clip=settings.grad_clip)
         loss, grad_norm = result.loss.item(), result.grad_norm.item()
     return RFTStats(rewards.mean().item(), zero_signal_groups(rewards).float().mean().item(),
-                    kept, loss, batch.mask.sum(dim=1).float().mean().item(), grad_norm)
+                    kept, loss, batch.mask.sum(dim=1).float().mean().item(), entropy,
+                    grad_norm, answers=len(batch.x),
+                    tokens_sampled=sampled_positions(
+                        batch.mask, max_new_tokens=settings.max_new_tokens,
+                        context_length=policy.config.context_length),
+                    tokens_trained=kept * batch.x.shape[1])
 
 
 # ---------------------------------------------------------------------------- evaluation
