@@ -45,11 +45,11 @@ from minigpt.assistant import ASSISTANT_RECIPE
 from minigpt.bpe import DEFAULT_BPE_VOCAB_SIZE, get_tokenizer
 from minigpt.chat import chat_loop
 from minigpt.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
-from minigpt.compute import CPULedger
 from minigpt.config import GPTConfig, TrainConfig, check_device
 from minigpt.dpo import DPO_TRAINING, make_pairs, train_dpo
 from minigpt.evals import benchmark_table, format_table
 from minigpt.files import atomic_write
+from minigpt.ledger import CPULedger
 from minigpt.model import GPT
 from minigpt.pretrained import ModelInfo
 from minigpt.sample import SampleSettings, load_model, sample_texts

@@ -1,5 +1,4 @@
-"""Compute accounting: the floating-point operations (FLOPs) of a training step, and where a
-process's CPU time goes.
+"""Compute accounting: the floating-point operations (FLOPs) of a training step.
 
 A multiply-add is two FLOPs. In the forward pass each weight of a matrix product is used
 once a token, 2 N_W FLOPs with N_W the weights of the model's `torch.nn.Linear` layers (the
@@ -8,23 +7,9 @@ gradients with respect to the input and to the weights), so training costs 6 N_W
 (Kaplan et al., 2020). Causal attention adds its two products with the context, Q K^T and
 the weights times V, over (T + 1) / 2 keys a query on average: about 6 L T D a token for
 training. The modern GPT chapter derives both terms; `training_flops_per_token` adds them.
-
-`CPULedger` splits the CPU time of a block of code (set-up training a model, say) into
-training, sampling and evaluation, by sampling what the thread that runs it is doing: every
-few milliseconds it reads that thread's stack, and the CPU time the process spent since the
-last look goes to the kind of the outermost function on the stack that `KINDS` names
-(evaluation that samples is evaluation); time in no named function is training (the steps,
-their data, saving). A statistical profile, not a count: its shares are good to a look's
-interval times the number of switches between kinds.
 """
 
 from __future__ import annotations
-
-import sys
-import threading
-import time
-from types import FrameType, TracebackType
-from typing import Literal
 
 from torch import nn
 
@@ -42,85 +27,3 @@ def training_flops_per_token(model: GPT) -> int:
     config = model.config
     return (6 * matmul_weights(model)
             + 6 * config.n_layers * config.context_length * config.d_model)
-
-
-Kind = Literal["training", "sampling", "evaluation"]
-#: The package's functions whose time is not training, by module and name: what evaluates a
-#: model, and what samples from one outside an evaluation (the rollouts of learning from
-#: rewards, the model's own answers that preference pairs are made of).
-KINDS: dict[tuple[str, str], Kind] = {
-    ("minigpt.losses", "estimate_loss"): "evaluation",
-    ("minigpt.losses", "full_loss"): "evaluation",
-    ("minigpt.rl", "evaluate_sampled"): "evaluation",
-    ("minigpt.rewards", "evaluate_run"): "evaluation",
-    ("minigpt.rewards", "room"): "evaluation",
-    ("minigpt.dpo", "evaluate_dpo"): "evaluation",
-    ("minigpt.dpo", "preference_metrics"): "evaluation",
-    ("minigpt.evals", "exact_match_by_turn"): "evaluation",
-    ("minigpt.evals", "multiple_choice"): "evaluation",
-    ("minigpt.evals", "benchmark_table"): "evaluation",
-    ("minigpt.interp", "head_scores"): "evaluation",
-    ("minigpt.interp", "copy_losses"): "evaluation",
-    ("minigpt.decoding", "generate"): "sampling",
-    ("minigpt.rl", "rollouts"): "sampling",
-    ("minigpt.chat", "greedy_replies"): "sampling",
-    ("minigpt.dpo", "model_pairs"): "sampling",
-}
-
-
-def kind_of(frame: FrameType | None) -> Kind:
-    """The kind of work the stack ending in ``frame`` does: that of its outermost function
-    in `KINDS`, training if none is."""
-    found: Kind = "training"
-    while frame is not None:
-        named = KINDS.get((frame.f_globals.get("__name__", ""), frame.f_code.co_name))
-        if named is not None:
-            found = named  # going outwards: the last one found is the outermost
-        frame = frame.f_back
-    return found
-
-
-class CPULedger:
-    """A context manager that splits the process's CPU time while it is entered into
-    `Kind`s, by what the entering thread is doing (`kind_of`) every ``interval`` seconds.
-
-    ``seconds`` holds the split (each kind's CPU seconds; they add up to the process's CPU
-    time over the block, the ledger's own looks included).
-    """
-
-    def __init__(self, interval: float = 0.005) -> None:
-        assert interval > 0
-        self.interval = interval
-        self.seconds: dict[Kind, float] = {"training": 0.0, "sampling": 0.0, "evaluation": 0.0}
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._watched = 0
-        self._last = 0.0
-
-    def _charge(self) -> None:
-        frame = sys._current_frames().get(self._watched)
-        now = time.process_time()
-        self.seconds[kind_of(frame)] += now - self._last
-        self._last = now
-
-    def _watch(self) -> None:
-        while not self._stop.wait(self.interval):
-            self._charge()
-
-    def __enter__(self) -> CPULedger:
-        self._watched = threading.get_ident()
-        self._last = time.process_time()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
-                 traceback: TracebackType | None) -> None:
-        assert self._thread is not None
-        self._stop.set()
-        self._thread.join()
-        self.seconds["training"] += time.process_time() - self._last  # since the last look
-
-    def summary(self) -> str:
-        """The split in a few words: "training 52 s, sampling 25 s, evaluation 6 s"."""
-        return ", ".join(f"{kind} {seconds:.0f} s" for kind, seconds in self.seconds.items())
