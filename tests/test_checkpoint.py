@@ -91,3 +91,17 @@ def test_what_is_not_about_the_file_is_not_called_damage(
 
 def test_atomic_file_is_what_both_writers_use() -> None:
     assert checkpoint.atomic_file is files.atomic_file
+
+
+def test_a_failure_before_the_first_byte_closes_the_temporary_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "chmod", refuse)  # setting the mode, by name or by descriptor
+    monkeypatch.setattr(os, "fchmod", refuse)
+    before = set(os.listdir("/proc/self/fd"))
+    with pytest.raises(PermissionError):
+        files.atomic_write(tmp_path / "c.txt", b"x")
+    assert set(os.listdir("/proc/self/fd")) <= before  # no descriptor left open
+    assert list(tmp_path.iterdir()) == []

@@ -51,9 +51,9 @@ def atomic_file(path: Path) -> Iterator[BinaryIO]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        # mkstemp makes the file private (0600); give it the mode any new file would get.
-        os.chmod(tmp, 0o666 & ~_umask())
-        with os.fdopen(fd, "wb") as f:
+        with os.fdopen(fd, "wb") as f:  # owns the descriptor from here: closed on any error
+            # mkstemp makes the file private (0600); give it the mode any new file would get.
+            os.fchmod(f.fileno(), 0o666 & ~_umask())
             yield f
             f.flush()
             os.fsync(f.fileno())  # on disk before the rename makes it visible
