@@ -50,10 +50,14 @@ def data() -> RewardsData:
 
 # ------------------------------------------------------------------------------ recipe
 
-def test_every_method_has_steps_a_rate_and_a_kind() -> None:
-    assert set(REWARDS_RECIPE.steps) == set(METHODS)
-    assert set(REWARDS_RECIPE.lr) == set(METHODS)
+def test_every_method_has_a_kind_and_a_name_of_none_is_refused() -> None:
     assert {kind(m) for m in METHODS} == {"grpo", "rft", "sft"}
+    with pytest.raises(ValueError, match="unknown method 'grpo-typo'; choose from grpo, "):
+        kind("grpo-typo")  # type: ignore[arg-type]
+    # before anything is drawn or trained, even with the steps and rate given
+    with pytest.raises(ValueError, match="unknown method 'grpo-typo'"):
+        continue_training(*started(), "grpo-typo", data(), SMALL, seed=0, steps=1,  # type: ignore[arg-type]
+                          lr=1e-3)
     # GRPO's variants learn at GRPO's rate: they differ from it in one thing each
     assert {REWARDS_RECIPE.lr[m] for m in METHODS if kind(m) == "grpo"} == {
         REWARDS_RECIPE.lr["grpo"]}

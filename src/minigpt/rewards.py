@@ -91,7 +91,9 @@ Kind = Literal["grpo", "rft", "sft"]
 
 
 def kind(method: Method) -> Kind:
-    """The kind of step ``method`` takes."""
+    """The kind of step ``method`` takes; ValueError for a name that is no method's."""
+    if method not in METHODS:  # else any other name would train as GRPO with the checker
+        raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
     return "sft" if method.startswith("sft") else "rft" if method == "rft" else "grpo"
 
 
