@@ -61,12 +61,34 @@ def test_the_cache_key_records_the_kernels() -> None:
     assert material["cpu_kernels"] == torch.backends.cpu.get_cpu_capability()
     assert material["torch"] == torch.__version__
     # MKL's mode too: without ",STRICT" an Intel CPU trains other bits (test_same_bits.py).
+    # The setting in force: the package's pin, or a value the environment gave first (the
+    # README's override for speed).
     assert material["kernel_settings"] == {"MKL_CBWR": os.environ["MKL_CBWR"],
                                            "ONEDNN_MAX_CPU_ISA": os.environ["ONEDNN_MAX_CPU_ISA"]}
-    # The package's pin (a value already in the environment, as the README allows, wins).
-    assert minigpt.PINNED_CPU_KERNELS["MKL_CBWR"] == "AVX2,STRICT"
-    # and how the products were summed (minigpt.products).
-    assert material["products"] == "blocks of 192"
+    # and how the products were summed (minigpt.products; the README's override: native).
+    native = os.environ.get("MINIGPT_PRODUCTS") == "native"
+    assert material["products"] == ("native" if native else "blocks of 192")
+
+
+def _mkl_recorded(code: str, **env: str) -> str:
+    """What a fresh Python's cache key records of MKL's mode after ``code``, with none of
+    the pinning variables in its environment but ``env``."""
+    clean = {k: v for k, v in os.environ.items() if k not in KERNEL_VARIABLES} | env
+    script = (f"{code}\nfrom minigpt import pretrained\n"
+              "print(pretrained.environment()['kernel_settings']['MKL_CBWR'])")
+    return subprocess.run([sys.executable, "-c", script], env=clean, check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+
+@pytest.mark.skipif(not LINUX_X86_64 or not torch.backends.mkl.is_available(),
+                    reason="MKL's mode is read from PyTorch's Linux x86-64 build")
+def test_the_cache_key_records_the_mode_mkl_runs_not_the_variable() -> None:
+    assert _mkl_recorded("import minigpt") == "AVX2,STRICT"
+    assert _mkl_recorded("import minigpt", MKL_CBWR="AUTO") == "AUTO"
+    # A matrix product before minigpt sets the variable: MKL has read none and runs
+    # without a reproducible branch, whatever the environment says afterwards.
+    early = "import torch\ntorch.ones(64, 64) @ torch.ones(64, 64)\nimport minigpt"
+    assert _mkl_recorded(early) == "mkl 0x1"
 
 
 @pytest.mark.skipif(not LINUX_X86_64, reason="the stored sha256 are those of PyTorch's Linux "

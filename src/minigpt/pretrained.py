@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import ctypes
 import functools
 import hashlib
 import io
@@ -293,12 +294,45 @@ def environment() -> dict[str, Any]:
     """What of the software and CPU determines the weights besides the recipe: the PyTorch
     version, the kernels it runs, MKL's and oneDNN's settings (`minigpt.PINNED_CPU_KERNELS`;
     a process whose first torch operation ran before minigpt was imported runs the CPU's
-    widest kernels) and how its matrix products are summed (`minigpt.products.mode`)."""
+    widest kernels, and MKL the mode `mkl_reproducibility` reads from MKL itself) and how
+    its matrix products are summed (`minigpt.products.mode`)."""
+    settings = {name: os.environ.get(name) for name in sorted(PINNED_CPU_KERNELS)
+                if name != "ATEN_CPU_CAPABILITY"}
     return {"torch": torch.__version__,
             "cpu_kernels": torch.backends.cpu.get_cpu_capability(),
-            "kernel_settings": {name: os.environ.get(name) for name in sorted(
-                PINNED_CPU_KERNELS) if name != "ATEN_CPU_CAPABILITY"},
+            "kernel_settings": settings | {"MKL_CBWR": mkl_reproducibility()},
             "products": products.mode()}
+
+
+#: mkl_cbwr_get's answer for "no reproducibility branch", and its flag of the strict mode.
+_MKL_CBWR_BRANCH_OFF, _MKL_CBWR_STRICT = 1, 0x10000
+
+
+def mkl_reproducibility() -> str | None:
+    """MKL's conditional-reproducibility mode as MKL runs it: the ``MKL_CBWR`` setting when
+    MKL took it up, else ``"mkl 0x..."``, the mode MKL reports (None: this PyTorch runs no
+    MKL). MKL reads the variable once, at its first call, so a process whose first matrix
+    product ran before minigpt set it runs without. The branch MKL reports depends on the
+    CPU's vendor (an AMD CPU reports its automatic branch for AVX2), so the setting, not the
+    branch, is what a key records: whether a branch is set, and whether strictly. PyTorch
+    exposes no query of the mode; its Linux x86-64 build links MKL's own (under its
+    internal name), which is read here; where it is absent the setting is recorded."""
+    setting = os.environ.get("MKL_CBWR")
+    if not torch.backends.mkl.is_available():  # type: ignore[no-untyped-call]
+        return None
+    library = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+    try:
+        get = ctypes.CDLL(str(library)).mkl_serv_cbwr_get
+    except (OSError, AttributeError):  # another platform's build: the mode is not readable
+        return setting
+    get.restype, get.argtypes = ctypes.c_int, [ctypes.c_int]
+    mode = get(-1)  # MKL_CBWR_ALL: the branch and the strict flag
+    branch_set = mode & 0xFFFF != _MKL_CBWR_BRANCH_OFF
+    strict = bool(mode & _MKL_CBWR_STRICT)
+    asked = (setting or "").upper().replace(" ", "").split(",")
+    if setting and branch_set == (asked[0] != "OFF") and strict == ("STRICT" in asked):
+        return setting
+    return f"mkl {mode:#x}"
 
 
 def cache_key(material: dict[str, Any]) -> str:
