@@ -5,11 +5,13 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from minigpt import GPT, GPTConfig
 from minigpt.bpe import train_bpe
@@ -20,7 +22,15 @@ from minigpt.losses import bits_per_character, estimate_loss, full_loss, lm_loss
 from minigpt.optim import configure_optimizer, lr_at
 from minigpt.parallel import DistContext
 from minigpt.tokenizer import CharTokenizer
-from minigpt.train import History, StepResult, resume_run, save_run, train, train_step
+from minigpt.train import (
+    History,
+    StepResult,
+    record_steps,
+    resume_run,
+    save_run,
+    train,
+    train_step,
+)
 
 V = 12
 
@@ -219,6 +229,54 @@ def test_a_step_leaves_its_numbers_on_the_device_and_the_loop_reads_them(
     again = train(tiny_config(), run_config(max_steps=7, eval_interval=100), *data,
                   progress=False).history  # read once, at the end: the same numbers
     assert again.loss == h.loss and again.grad_norm == h.grad_norm
+
+
+class _Ops(TorchDispatchMode):
+    """Records each operation torch runs and the dtypes of the tensors it returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, set[torch.dtype]]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        leaves = out if isinstance(out, (tuple, list)) else [out]
+        self.ops.append((str(func), {t.dtype for t in leaves if isinstance(t, torch.Tensor)}))
+        return out
+
+
+def _recorded_step(data: tuple[np.ndarray, np.ndarray], device: str) -> _Ops:
+    """The operations of one step of two micro-batches, one masked, on the CPU, as a step
+    of a run on ``device`` makes them."""
+    torch.manual_seed(0)
+    model = GPT(tiny_config())
+    ids = torch.from_numpy(data[0][:2 * 8 + 1].astype(np.int64))
+    x, y = ids[:-1].view(2, 8), ids[1:].view(2, 8)
+    batches = [Batch(x[:1], y[:1]), Batch(x[1:], y[1:], torch.arange(8)[None] > 2)]
+    ctx = DistContext(device=torch.device(device))
+    with _Ops() as ops:
+        result = train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), batches,
+                            grad_clip=0.0, ctx=ctx)
+        record_steps([result], History(), ctx)
+    return ops
+
+
+def test_a_step_makes_no_tensor_from_host_numbers(data: tuple[np.ndarray, np.ndarray]) -> None:
+    # On a GPU a tensor made from a Python number is a blocking copy from the host: the
+    # step's count of targets is made on the device, where the batch is.
+    names = [name for name, _ in _recorded_step(data, "cpu").ops]
+    assert "aten.full.default" in names  # the unmasked micro-batch's count
+    assert not [n for n in names if n.startswith("aten.lift_fresh")]
+
+
+def test_a_step_averages_in_float64_except_on_mps(data: tuple[np.ndarray, np.ndarray]) -> None:
+    # MPS has no float64: there the counts and losses are averaged in float32.
+    def dtypes(device: str) -> set[torch.dtype]:
+        return set().union(*(d for _, d in _recorded_step(data, device).ops))
+
+    assert torch.float64 in dtypes("cpu")
+    assert torch.float64 not in dtypes("mps")  # the ops ran on the CPU, as MPS would run them
 
 
 def test_bf16_autocast_trains(data: tuple[np.ndarray, np.ndarray]) -> None:

@@ -119,7 +119,7 @@ def train_step(
     k = len(micro_batches)
     if loss_fn is None:  # every counted target of the step, on every rank, weighs the same
         counted = mean_over_ranks(torch.stack([_counted(b) for b in micro_batches]).sum()
-                                  .double(), ctx)
+                                  .to(wide_float(ctx.device)), ctx)
     loss_sum = torch.zeros((), device=micro_batches[0].x.device)
     for i, batch in enumerate(micro_batches):
         with _sync_gradients(model, i == k - 1):  # the backward pass is inside: DDP's no_sync
@@ -139,7 +139,15 @@ def train_step(
 def _counted(batch: MicroBatch) -> Tensor:
     """How many targets of a `Batch` count: where its mask is True, or all of them."""
     assert isinstance(batch, Batch), "next-token cross-entropy reads Batches; else a loss_fn"
-    return batch.y.new_tensor(batch.y.numel()) if batch.mask is None else batch.mask.sum()
+    if batch.mask is None:  # made on the device: no copy from the host every micro-batch
+        return torch.full((), batch.y.numel(), dtype=torch.int64, device=batch.y.device)
+    return batch.mask.sum()
+
+
+def wide_float(device: torch.device) -> torch.dtype:
+    """The dtype a step's counts and losses are averaged in on ``device``: float64, but on
+    Apple's MPS, which has none, float32 (exact for counts below 2^24)."""
+    return torch.float32 if device.type == "mps" else torch.float64
 
 
 def _sync_gradients(model: nn.Module, sync: bool) -> Any:
@@ -330,7 +338,8 @@ def record_steps(results: list[StepResult], history: History, ctx: DistContext) 
     process sees it) and gradient norms into ``history``, and forget them. One wait for the
     device and one all-reduce for them all (collective: every rank must call it)."""
     if results:
-        losses = mean_over_ranks(torch.stack([r.loss for r in results]).double(), ctx)
+        losses = mean_over_ranks(torch.stack([r.loss for r in results])
+                                 .to(wide_float(ctx.device)), ctx)
         history.loss += losses.tolist()
         history.grad_norm += torch.stack([r.grad_norm for r in results]).tolist()
         results.clear()
