@@ -70,27 +70,38 @@ def _to_device(model: GPT, device: str | torch.device) -> GPT:
 
 class SampleSettings(BaseModel):
     """What `sample_texts` continues, and how (`python -m minigpt sample`'s flags, one a
-    field)."""
+    field).
 
-    checkpoint: Path = Field(description="the --out directory of `python -m minigpt train`")
-    prompt: str = Field("\n", min_length=1, description="text to continue")
-    max_new_tokens: int = Field(500, ge=0, description="tokens to add")
-    temperature: float | None = Field(None, ge=0, description="1 by default; 0 is greedy")
-    top_k: int | None = Field(None, ge=1, description="sample among the k most likely only")
-    top_p: float | None = Field(None, gt=0, le=1, description="sample from the smallest set "
-                                "of most likely tokens whose mass reaches p")
-    greedy: bool = Field(False, description="always take the most likely token")
-    seed: int = Field(1337, ge=0, description="seeds the sampler")
-    num_samples: int = Field(1, ge=1, description="independent continuations to print")
-    cache: bool = Field(True, description="keep a key-value cache (--no-cache: slower, "
-                                          "same tokens)")
-    device: Device = Field("cpu", description="cpu, cuda, cuda:1, ...")
-    beams: int | None = Field(None, ge=1, description="beam search with this many beams: the "
-                              "most likely continuation found, no sampling")
-    draft: Path | None = Field(None, description="speculative sampling: a smaller model's "
-                               "checkpoint (same tokenizer) proposes, this one checks")
-    speculate: int | None = Field(None, ge=1, description="tokens the draft proposes per "
-                                  "round (default 4; needs --draft)")
+    Attributes:
+        checkpoint: the ``--out`` directory of `python -m minigpt train`.
+        prompt: the text to continue. max_new_tokens: the tokens to add.
+        temperature: 1 by default; 0 is greedy. top_k: sample among the k most likely
+            only. top_p: sample from the smallest set of most likely tokens whose mass
+            reaches p. greedy: always take the most likely token.
+        seed: seeds the sampler. num_samples: independent continuations to print.
+        cache: keep a key-value cache (``--no-cache``: slower, the same tokens).
+        device: cpu, cuda, cuda:1, ...
+        beams: beam search with this many beams: the most likely continuation found, no
+            sampling.
+        draft: speculative sampling: the checkpoint of a smaller model with the same
+            tokenizer, which proposes while this one checks. speculate: the tokens the
+            draft proposes a round (default 4; needs ``draft``).
+    """
+
+    checkpoint: Path
+    prompt: str = Field("\n", min_length=1)
+    max_new_tokens: int = Field(500, ge=0)
+    temperature: float | None = Field(None, ge=0)
+    top_k: int | None = Field(None, ge=1)
+    top_p: float | None = Field(None, gt=0, le=1)
+    greedy: bool = False
+    seed: int = Field(1337, ge=0)
+    num_samples: int = Field(1, ge=1)
+    cache: bool = True
+    device: Device = "cpu"
+    beams: int | None = Field(None, ge=1)
+    draft: Path | None = None
+    speculate: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _combinable(self) -> SampleSettings:
