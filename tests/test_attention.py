@@ -124,9 +124,12 @@ def test_multi_head_fast_path_matches_explicit(causal):
     assert products.computes(x) == (products.mode() != "native")
 
 
-def test_multi_head_asserts_a_width_the_heads_share():
-    with pytest.raises(AssertionError, match=r"d_model=10 splits into n_heads=3 heads"):
+def test_multi_head_refuses_a_width_the_heads_do_not_share():
+    # the same rule and words as GPTConfig's (minigpt.config.check_heads)
+    with pytest.raises(ValueError, match=r"d_model \(=10\) must be divisible by n_heads \(=3\)"):
         MultiHeadAttention(10, 3)
+    with pytest.raises(ValueError, match=r"n_kv_heads \(=3\) must divide n_heads \(=4\)"):
+        MultiHeadAttention(16, 4, n_kv_heads=3)
 
 
 def test_scaling_keeps_the_scores_at_unit_variance():

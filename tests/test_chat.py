@@ -146,7 +146,8 @@ def test_extending_the_vocabulary_keeps_every_old_weight(tie: bool) -> None:
 
 def test_extending_the_vocabulary_errors() -> None:
     model = GPT(GPTConfig.debug(vocab_size=10))
-    with pytest.raises(AssertionError, match="a vocabulary only grows"):  # callers' invariant
+    with pytest.raises(ValueError, match="vocab_size must be an int >= the model's 10 \\(a "
+                                         "vocabulary only grows\\), got 9"):
         extend_vocabulary(model, 9)
     with pytest.raises(ValueError, match="the tokenizer has 3 tokens and the model 10"):
         add_chat_tokens(model, CharTokenizer.from_text("abc"))

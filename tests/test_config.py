@@ -1,10 +1,11 @@
 """GPTConfig validation, defaults and presets."""
 
+import numpy as np
 import pytest
 import torch
 
 from minigpt import GPTConfig, seed_all
-from minigpt.config import GPT2_SIZES
+from minigpt.config import GPT2_SIZES, check_int, check_positive
 
 BASE = dict(vocab_size=11, context_length=8, d_model=12, n_heads=3, n_layers=2)
 
@@ -98,3 +99,20 @@ def test_activation_defaults_and_validation():
     assert GPTConfig.shakespeare_cpu(65).activation == "gelu"  # cheaper on a CPU
     with pytest.raises(ValueError, match="activation"):
         GPTConfig.debug(activation="relu")
+
+
+@pytest.mark.parametrize(("value", "high", "message"), [
+    (-1, None, "n must be an int >= 0, got -1"),
+    (6, 5, "n must be an int from 0 to 5, got 6"),
+    (2.0, 5, "n must be an int from 0 to 5, got 2.0"),
+    (True, None, "n must be an int >= 0, got True"),
+    ("3", None, "n must be an int >= 0, got '3'"),
+])
+def test_an_integer_is_checked_with_its_name_range_and_value(
+        value: object, high: int | None, message: str) -> None:
+    with pytest.raises(ValueError) as err:
+        check_int("n", value, 0, high)
+    assert str(err.value) == message
+    check_int("n", np.int64(5), 0, 5)  # NumPy's integers are integers
+    with pytest.raises(ValueError, match="steps must be an int >= 1, got 0"):
+        check_positive("steps", 0)

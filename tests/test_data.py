@@ -384,6 +384,6 @@ def test_buckets_keep_every_row_equally_likely(monkeypatch: pytest.MonkeyPatch) 
 @pytest.mark.parametrize("buckets", [0, 61, 2.0, True])
 def test_length_buckets_must_be_between_one_and_the_number_of_sequences(buckets: object) -> None:
     data = _varied_examples()
-    with pytest.raises(ValueError, match="length_buckets must be an int from 1 to the number "
-                                         r"of sequences \(60\)"):
+    with pytest.raises(ValueError, match=f"length_buckets must be an int from 1 to 60, got "
+                                         f"{buckets!r}"):
         ExampleSet(data.sequences, data.masks, length_buckets=buckets)  # type: ignore[arg-type]

@@ -6,6 +6,7 @@ scores on maps whose eigenvalues are known, and the copiers' recipe, rows and ca
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -532,10 +533,10 @@ def test_copying_scores_refuse_factors_that_do_not_make_a_square_map():
 
 def test_composition_needs_the_earlier_head_in_an_earlier_layer():
     m = _gpt2()
-    with pytest.raises(AssertionError):
-        composition(m, (1, 0), (1, 1))
-    with pytest.raises(AssertionError):
-        composition(m, (1, 0), (0, 1))
+    for later in ((1, 1), (0, 1)):
+        with pytest.raises(ValueError, match=re.escape(
+                f"the earlier head's layer comes first: got earlier=(1, 0), later={later}")):
+            composition(m, (1, 0), later)
 
 
 # -------------------------------------------------------------------------- the copiers
@@ -713,5 +714,7 @@ def test_read_ablated_cuts_only_the_path_into_one_input(part):
 def test_read_ablated_refuses_other_ids():
     model = _gpt2(3)
     ids = torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(4))
-    with read_ablated(model, ids, [(0, 0)], None, "k"), pytest.raises(AssertionError):
+    with read_ablated(model, ids, [(0, 0)], None, "k"), pytest.raises(
+            ValueError, match=r"reads ids of shape \(2, 16\), those the ablated run read; "
+                              r"got \(1, 16\)"):
         model(ids[:1])

@@ -159,8 +159,8 @@ def test_feed_forward_activation(activation, approximate):
     other = FeedForward(8, 32, activation="gelu" if activation == "gelu_tanh" else "gelu_tanh")
     other.load_state_dict(ffn.state_dict())
     assert not torch.allclose(other(x), ffn(x), atol=1e-6)  # the switch changes the output
-    with pytest.raises(AssertionError, match=r"activation is one of \['gelu_tanh', 'gelu', "
-                                             r"'relu2', 'swiglu'\]"):
+    with pytest.raises(ValueError, match=r"activation must be one of \['gelu_tanh', 'gelu', "
+                                         r"'relu2', 'swiglu'\], got 'relu'"):
         FeedForward(8, 32, activation="relu")
 
 

@@ -102,7 +102,7 @@ def test_the_corpus_vocabulary_follows_its_rules(text: str,
 def test_a_bad_vocabulary_is_refused() -> None:
     with pytest.raises(ValueError, match="lower-case letters, at least 3 of them; got 'Cat'"):
         Vocabulary({"Cat": 3})
-    with pytest.raises(ValueError, match="count must be an int >= 1; 'cat' has 0"):
+    with pytest.raises(ValueError, match="the count of 'cat' must be an int >= 1, got 0"):
         Vocabulary({"cat": 0})
     with pytest.raises(ValueError, match="min_count must be an int >= 1, got 0"):
         vocabulary("A:\ncat\n", min_count=0)

@@ -70,14 +70,15 @@ def test_targets_outside_the_mask_get_no_gradient() -> None:
     assert not logits.grad[0, [0, 2]].any() and logits.grad[0, [1, 3]].any()
 
 
-@pytest.mark.parametrize("args, message", [
+@pytest.mark.parametrize("args, error, message", [
     ((torch.zeros(2, 3, V), torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 4, dtype=bool)),
-     r"logits \(B, T, V\), rest \(B, T\)"),
+     ValueError, r"logits \(B, T, V\), targets and mask \(B, T\); got \(2, 3, 12\), \(2, 4\)"),
     ((torch.zeros(1, 2, V), torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2)),
-     "the mask says which targets count"),
+     TypeError, r"the mask says which targets count: .* got torch.float32"),
 ])
-def test_masked_loss_asserts_its_shapes(args: tuple[Tensor, ...], message: str) -> None:
-    with pytest.raises(AssertionError, match=message):
+def test_masked_loss_refuses_other_shapes_and_a_mask_of_numbers(
+        args: tuple[Tensor, ...], error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
         masked_lm_loss(*args)
 
 

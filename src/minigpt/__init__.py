@@ -8,10 +8,13 @@ models (`pretrained`, `assistant`, `rewards`, the copiers of `interp`), post-tra
 (`interp`) and the figures (`viz`, `plots`, `diagram`, `charts`) import the core, never the
 other way round (the README's "Reading the code").
 
-Where an input is checked: a user's input (a config, a prompt, a file, a path) is checked
-where it enters, by the function a chapter, a tool or the command line calls, which raises
-an error saying what was wrong and what is allowed (nothing is silently clamped); past
-that entry the package's invariants are ``assert`` statements, and nothing is checked twice
+Where an input is checked: a user's input (a config, a prompt, a file, a path, a tensor a
+chapter hands in) is checked where it enters, by the function a chapter, a tool or the
+command line calls, which raises ``ValueError`` or ``TypeError`` saying what was wrong and
+what is allowed (nothing is silently clamped; integers through `minigpt.config.check_int`
+and `check_positive`); past that entry the package's own invariants are ``assert``
+statements, which ``python -O`` removes, so no test expects an ``AssertionError``; nothing
+is checked twice, and nothing on a hot path waits for the device to check
 (docs/contributing.md).
 """
 

@@ -31,7 +31,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from minigpt import pretrained
-from minigpt.config import TrainConfig
+from minigpt.config import TrainConfig, check_int
 from minigpt.data import split_text
 from minigpt.dpo import DPO_TRAINING, evaluate_dpo, make_pairs, train_dpo
 from minigpt.model import GPT
@@ -130,8 +130,7 @@ def sft_model(seed: int = 0, *, progress: bool = False, recipe: AssistantRecipe 
               ASSISTANT_RECIPE) -> tuple[GPT, CharTokenizer, ModelInfo]:
     """The modern model fine-tuned on `assistant_tasks` with training seed ``seed``
     (`minigpt.sft.finetune`), its chat tokenizer, and a `ModelInfo`; cached."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+    check_int("seed", seed, 0)
     base, tokenizer, base_info = pretrained.book_model(progress=progress, recipe=recipe.base)
     chat = with_special_tokens(tokenizer, CHAT_TOKENS)
     config = recipe.sft.model_copy(update={"seed": seed})

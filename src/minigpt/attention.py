@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from minigpt import products
+from minigpt.config import check_heads
 
 # ----------------------------------------------------------------------------------
 # Scaled dot-product attention
@@ -35,7 +36,8 @@ def causal_mask(
     at positions P..P+T-1 and query i may see keys 0..P+i. The two leading
     axes broadcast over the batch and the heads.
     """
-    assert past >= 0, "past counts cached positions"
+    if past < 0:
+        raise ValueError(f"past counts cached positions: an int >= 0, got {past}")
     keep = torch.ones(num_positions, past + num_positions, dtype=torch.bool, device=device)
     return torch.tril(keep, diagonal=past).view(1, 1, num_positions, past + num_positions)
 
@@ -157,7 +159,9 @@ class KVCache:
     def crop(self, length: int) -> None:
         """Keep only the first ``length`` positions (speculative decoding drops the keys and
         values of rejected draft tokens); the next token fed sits at position ``length``."""
-        assert 0 <= length <= self.length, "a longer crop would expose unwritten slots"
+        if not 0 <= length <= self.length:
+            raise ValueError(f"a cache of {self.length} positions keeps 0 to {self.length} of "
+                             f"them, not {length}: a longer crop would expose unwritten slots")
         for layer in self.layers:
             layer.length = length
 
@@ -226,7 +230,7 @@ class MultiHeadAttention(nn.Module):
         norm: str = "rmsnorm", rope: Callable[[Tensor, int], Tensor] | None = None,
     ) -> None:
         super().__init__()
-        assert d_model % n_heads == 0, f"d_model={d_model} splits into n_heads={n_heads} heads"
+        check_heads(d_model, n_heads, n_kv_heads)
         self.n_heads = n_heads
         self.n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         self.dropout = dropout

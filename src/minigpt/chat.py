@@ -195,7 +195,9 @@ def extend_vocabulary(model: GPT, vocab_size: int) -> GPT:
     the probability rather than a random, possibly large one.
     """
     old = model.config.vocab_size
-    assert vocab_size >= old, "a vocabulary only grows"
+    if vocab_size < old:
+        raise ValueError(f"vocab_size must be an int >= the model's {old} (a vocabulary only "
+                         f"grows), got {vocab_size!r}")
     state = model.state_dict()
     for name in ("wte.weight", "lm_head.weight"):
         rows = state[name]

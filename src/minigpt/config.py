@@ -9,6 +9,7 @@ broke, long before a tensor of the wrong shape could.
 
 from __future__ import annotations
 
+import numbers
 import os
 import random
 from typing import Annotated, Any, Literal
@@ -24,6 +25,32 @@ GPT2_SIZES: dict[str, tuple[int, int, int]] = {
     "large": (36, 1280, 20),
     "xl": (48, 1600, 25),
 }
+
+
+def check_int(name: str, value: object, low: int, high: int | None = None) -> None:
+    """Check a user's integer where it enters: ``value`` must be an int (not a bool) from
+    ``low`` to ``high`` (None: no upper bound); else ValueError naming ``name``, what is
+    allowed and what was given."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Integral)
+            or not low <= int(value) <= (int(value) if high is None else high)):
+        allowed = f">= {low}" if high is None else f"from {low} to {high}"
+        raise ValueError(f"{name} must be an int {allowed}, got {value!r}")
+
+
+def check_positive(name: str, value: object) -> None:
+    """`check_int` for a count: an int >= 1."""
+    check_int(name, value, 1)
+
+
+def check_heads(d_model: int, n_heads: int, n_kv_heads: int | None = None) -> None:
+    """The heads share the width: ValueError unless n_heads divides d_model and n_kv_heads
+    (None: n_heads) divides n_heads."""
+    if d_model % n_heads != 0:
+        raise ValueError(f"d_model (={d_model}) must be divisible by n_heads (={n_heads}): "
+                         "every head gets d_model / n_heads features")
+    if n_kv_heads is not None and n_heads % n_kv_heads != 0:
+        raise ValueError(f"n_kv_heads (={n_kv_heads}) must divide n_heads (={n_heads}): "
+                         "each key-value head serves the same number of query heads")
 
 
 class GPTConfig(BaseModel):
@@ -66,7 +93,7 @@ class GPTConfig(BaseModel):
     d_model: int = Field(gt=0)
     n_heads: int = Field(gt=0)
     n_layers: int = Field(gt=0)
-    d_ff: int = Field(gt=0, json_schema_extra={"derived_default": True})  # from D
+    d_ff: int = Field(gt=0)  # default: from d_model and activation
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
     bias: bool = True
     tie_weights: bool = True
@@ -97,16 +124,7 @@ class GPTConfig(BaseModel):
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> GPTConfig:
-        if self.d_model % self.n_heads != 0:
-            raise ValueError(
-                f"d_model (={self.d_model}) must be divisible by n_heads (={self.n_heads}): "
-                f"every head gets d_model / n_heads features"
-            )
-        if self.n_heads % self.kv_heads != 0:
-            raise ValueError(
-                f"n_kv_heads (={self.n_kv_heads}) must divide n_heads (={self.n_heads}): "
-                "each key-value head serves the same number of query heads"
-            )
+        check_heads(self.d_model, self.n_heads, self.n_kv_heads)
         if self.positional == "rope" and self.d_head % 2 != 0:
             raise ValueError(f"positional='rope' rotates pairs of features, so d_model / "
                              f"n_heads (={self.d_head}) must be even")
@@ -202,13 +220,14 @@ class TrainConfig(BaseModel):
     The defaults are nanoGPT's CPU recipe for character-level Shakespeare.
 
     Attributes:
-        batch_size: B, sequences per micro-batch.
+        batch_size: B, sequences per micro-batch (of each process).
         grad_accum: micro-batches whose gradients add up to one optimiser step; a step
             sees B * grad_accum sequences.
         max_steps: optimiser steps of the whole run.
         lr: peak learning rate, reached at the end of the warm-up.
         min_lr: the floor the cosine decays to (0 <= min_lr <= lr).
-        warmup_steps: steps of linear warm-up from lr / warmup_steps to lr.
+        warmup_steps: steps of linear warm-up from lr / warmup_steps to lr (by default
+            100, cut to decay_steps, so that a short run needs no flag).
         decay_steps: the step at which the cosine reaches min_lr (default: max_steps).
         weight_decay: AdamW's decoupled weight decay, applied to matrices only.
         beta1, beta2: AdamW's moment decay rates, in [0, 1).
@@ -233,36 +252,23 @@ class TrainConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    batch_size: int = Field(default=12, ge=1,
-                            description="B, sequences per micro-batch (per process)")
-    grad_accum: int = Field(default=1, ge=1, description="micro-batches per optimiser step")
-    max_steps: int = Field(default=2000, ge=0, description="optimiser steps of the whole run")
-    lr: float = Field(default=1e-3, gt=0.0,
-                      description="peak learning rate, reached after the warm-up")
-    min_lr: float = Field(default=1e-4, ge=0.0,
-                          description="the learning rate the cosine decays to")
-    warmup_steps: int = Field(default=100, ge=0,
-                              description="steps of linear warm-up (by default at most "
-                                          "decay_steps, so that a short run needs no flag)")
-    decay_steps: int | None = Field(default=None, ge=0,
-                                    description="the step at which the cosine reaches min_lr "
-                                                "(default: max_steps)")
-    weight_decay: float = Field(default=0.1, ge=0.0,
-                                description="AdamW's weight decay, on matrices only")
-    beta1: float = Field(default=0.9, ge=0.0, lt=1.0,
-                         description="AdamW's first-moment decay rate")
-    beta2: float = Field(default=0.99, ge=0.0, lt=1.0,
-                         description="AdamW's second-moment decay rate")
-    grad_clip: float = Field(default=1.0, ge=0.0,
-                             description="largest gradient norm, 0 for no clipping")
-    eval_interval: int = Field(default=250, ge=1,
-                               description="evaluate and checkpoint every this many steps")
-    eval_steps: int = Field(default=20, ge=1, description="batches per split in each evaluation")
+    batch_size: int = Field(default=12, ge=1)
+    grad_accum: int = Field(default=1, ge=1)
+    max_steps: int = Field(default=2000, ge=0)
+    lr: float = Field(default=1e-3, gt=0.0)
+    min_lr: float = Field(default=1e-4, ge=0.0)
+    warmup_steps: int = Field(default=100, ge=0)
+    decay_steps: int | None = Field(default=None, ge=0)
+    weight_decay: float = Field(default=0.1, ge=0.0)
+    beta1: float = Field(default=0.9, ge=0.0, lt=1.0)
+    beta2: float = Field(default=0.99, ge=0.0, lt=1.0)
+    grad_clip: float = Field(default=1.0, ge=0.0)
+    eval_interval: int = Field(default=250, ge=1)
+    eval_steps: int = Field(default=20, ge=1)
     eval_full: bool = False
-    seed: int = Field(default=1337, ge=0,
-                      description="seeds the initial weights, the batches and dropout")
-    bf16: bool = Field(default=False, description="bf16 autocast for forward passes")
-    device: Device = Field(default="cpu", description="cpu, cuda, cuda:1, ...")
+    seed: int = Field(default=1337, ge=0)
+    bf16: bool = False
+    device: Device = "cpu"
     optimizer: Literal["adamw", "muon"] = "adamw"
     muon_lr: float = Field(default=0.02, gt=0.0)
     muon_momentum: float = Field(default=0.95, ge=0.0, lt=1.0)

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from minigpt.assets import plays_dir
+from minigpt.config import check_int
 from minigpt.files import atomic_write, cache_dir
 
 if TYPE_CHECKING:
@@ -299,11 +300,8 @@ class ExampleSet:
             if not any(mask[1:]):
                 raise ValueError(f"sequence {k} has no counted target: its mask is False "
                                  "everywhere after the first token")
-        assert pad_id >= 0, "pad_id is a token id (a tokenizer's)"
-        if (isinstance(length_buckets, bool) or not isinstance(length_buckets, int)
-                or not 1 <= length_buckets <= len(sequences)):
-            raise ValueError(f"length_buckets must be an int from 1 to the number of sequences "
-                             f"({len(sequences)}), got {length_buckets!r}")
+        check_int("pad_id", pad_id, 0)  # a token id (a tokenizer's)
+        check_int("length_buckets", length_buckets, 1, len(sequences))
         self.sequences = [torch.tensor(list(s), dtype=torch.long) for s in sequences]
         self.masks = [torch.tensor(list(m), dtype=torch.bool) for m in masks]
         self.pad_id = pad_id

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from minigpt.chat import Turn, answer_turn, fit_context, greedy_replies, prompt_ids
+from minigpt.config import check_positive
 from minigpt.data import split_text
 from minigpt.decoding import eval_mode
 from minigpt.dpo import sequence_logprobs
@@ -224,8 +225,7 @@ def exact_match_by_turn(model: GPT, tokenizer: Tokenizer, tasks: Sequence[Task],
     asked alone; its score is the single-turn one, but for an answer holding a chat token
     before its end, which the chat command cuts off.
     """
-    if isinstance(n_turns, bool) or not isinstance(n_turns, int) or n_turns < 1:
-        raise ValueError(f"n_turns must be an int >= 1, got {n_turns!r}")
+    check_positive("n_turns", n_turns)
     if len(tasks) < n_turns:
         raise ValueError(f"a conversation of {n_turns} turns needs at least {n_turns} tasks, "
                          f"got {len(tasks)}")

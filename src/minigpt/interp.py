@@ -69,7 +69,9 @@ def blocks(model: GPT) -> list[Block]:
 def repeated(ids: Tensor, count: int, half: int, generator: torch.Generator) -> Tensor:
     """``count`` rows of 2 ``half`` ids: a stretch of ``half`` consecutive ids of ``ids``
     (1-D, a random start each), written twice."""
-    assert ids.ndim == 1 and len(ids) > half, "a 1-D stream longer than the stretch"
+    if ids.ndim != 1 or len(ids) <= half:
+        raise ValueError(f"ids must be a 1-D stream longer than half={half}, got shape "
+                         f"{tuple(ids.shape)}")
     starts = torch.randint(0, len(ids) - half, (count,), generator=generator)
     stretch = ids[starts[:, None] + torch.arange(half)]  # (count, half)
     return torch.cat([stretch, stretch], dim=1)
@@ -204,7 +206,8 @@ def read_ablated(model: GPT, ids: Tensor, heads: Sequence[Head], means: Tensor |
     queries, keys or values (``part``) from the stream as it is when ``heads`` are ablated
     (`ablated`), and everything else from the intact stream: a path from those heads into one
     input of the later heads is cut, and only that path."""
-    assert heads, "at least one head to ablate"
+    if not heads:
+        raise ValueError("read_ablated needs at least one head to ablate")
     first = min(layer for layer, _ in heads) + 1  # the layers that read the heads' writes
     recorded: list[Tensor] = []
 
@@ -221,7 +224,10 @@ def read_ablated(model: GPT, ids: Tensor, heads: Sequence[Head], means: Tensor |
     index = "qkv".index(part)
 
     def splice(layer: int, _module: Any, inputs: tuple[Tensor, ...], output: Tensor) -> Tensor:
-        assert inputs[0].shape[:2] == ids.shape, "the ids the ablated run read"
+        if inputs[0].shape[:2] != ids.shape:
+            raise ValueError(f"inside read_ablated the model reads ids of shape "
+                             f"{tuple(ids.shape)}, those the ablated run read; got "
+                             f"{tuple(inputs[0].shape[:2])}")
         sizes = list(_sizes(model, layer))
         parts = list(torch.split(output, sizes, dim=-1))
         parts[index] = torch.split(recorded[layer], sizes, dim=-1)[index]
@@ -344,7 +350,9 @@ def patching_grid(model: GPT, clean_ids: Tensor, corrupt_ids: Tensor, answer: in
     clean = residual_stream(model, clean_ids)
     with torch.no_grad():
         d_clean, d_corrupt = preference(model(clean_ids)), preference(model(corrupt_ids))
-    assert bool((d_clean != d_corrupt).all()), "the corruption changes the preference"
+    if not bool((d_clean != d_corrupt).all()):
+        raise ValueError("the corrupted ids must change the preference for right over wrong "
+                         "in every row: a row where it does not has nothing to restore")
     grid = torch.empty(len(blocks(model)) + 1, clean_ids.shape[1])
     for after in range(len(blocks(model)) + 1):
         for position in range(clean_ids.shape[1]):
@@ -446,7 +454,9 @@ def composition(model: GPT, earlier: Head, later: Head,
     ||M W_OV|| / (||M|| ||W_OV||) in Frobenius norms, with M = W_QK^T (queries), W_QK
     (keys) or W_OV (values) of the later head, whose norm's gain is folded into it (the
     norm's centring and per-position scale are left out)."""
-    assert earlier[0] < later[0], "the earlier head's layer comes first"
+    if not earlier[0] < later[0]:
+        raise ValueError(f"the earlier head's layer comes first: got earlier={earlier}, "
+                         f"later={later}")
     qk, ov_later = circuits(model, *later)
     _, ov = circuits(model, *earlier)
     gain = cast(Tensor | None, blocks(model)[later[0]].ln_1.weight)
@@ -753,7 +763,9 @@ def copy_opportunity(text: str, context: int, match: int, positions: int,
     ``positions`` random places, whether the ``match`` characters ending there occurred
     earlier in the window, and whether the character after that earlier occurrence (the
     latest one) is the next one. Returns the two shares: matched, and matched and right."""
-    assert 0 < match < context < len(text) - 1, "a match fits in a window of the text"
+    if not 0 < match < context < len(text) - 1:
+        raise ValueError(f"a match fits in a window of the text: 0 < match < context < "
+                         f"len(text) - 1, got {match}, {context}, {len(text) - 1}")
     ends = torch.randint(context - 1, len(text) - 1, (positions,), generator=generator)
     matched = right = 0
     for end in ends.tolist():

@@ -69,8 +69,12 @@ def masked_lm_loss(logits: Tensor, targets: Tensor, mask: Tensor, *,
         mask: (B, T) bool, True where a target counts; at least one must for the mean
             (a mean over none is NaN).
     """
-    assert targets.shape == logits.shape[:-1] == mask.shape, "logits (B, T, V), rest (B, T)"
-    assert mask.dtype == torch.bool, "the mask says which targets count: True or False"
+    if not targets.shape == logits.shape[:-1] == mask.shape:
+        raise ValueError(f"logits (B, T, V), targets and mask (B, T); got "
+                         f"{tuple(logits.shape)}, {tuple(targets.shape)}, {tuple(mask.shape)}")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"the mask says which targets count: True or False (torch.bool), got "
+                        f"{mask.dtype}")
     losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
     total = losses.masked_select(mask.flatten()).sum()
     return total if reduction == "sum" else total / mask.sum()
@@ -139,14 +143,14 @@ def full_loss(model: GPT, data: np.ndarray, *, batch_size: int = 32,
     ids = torch.from_numpy(np.asarray(data[: n_windows * T + 1]).astype(np.int64))
     x_all = ids[:-1].view(n_windows, T)  # (windows, T)
     y_all = ids[1:].view(n_windows, T)
-    total = torch.zeros((), dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float64)  # on the CPU: MPS has no float64
     with eval_mode(model):
         for k in range(0, n_windows, batch_size):
             x, y = x_all[k:k + batch_size].to(device), y_all[k:k + batch_size].to(device)
             with autocast(device, bf16):
                 logits = model(x)
             total += F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1),
-                                     reduction="sum").double().cpu()
+                                     reduction="sum").cpu().double()
     return float(total.item()) / (n_windows * T)
 
 

@@ -288,7 +288,9 @@ class FeedForward(nn.Module):
     def __init__(self, d_model: int, d_ff: int, *, dropout: float = 0.0, bias: bool = True,
                  activation: str = "gelu_tanh") -> None:
         super().__init__()
-        assert activation in ACTIVATIONS, f"activation is one of {list(ACTIVATIONS)}"
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {list(ACTIVATIONS)}, got "
+                             f"{activation!r}")
         self.activation = activation
         self.c_fc = nn.Linear(d_model, d_ff, bias=bias)
         if activation in _GELU_FORMS:

@@ -57,6 +57,7 @@ from minigpt.assistant import (
 )
 from minigpt.chat import prompt_ids
 from minigpt.compute import matmul_weights
+from minigpt.config import check_int
 from minigpt.data import split_text
 from minigpt.dpo import sampled_kl
 from minigpt.losses import bits_per_character
@@ -97,9 +98,9 @@ def kind(method: Method) -> Kind:
     return "sft" if method.startswith("sft") else "rft" if method == "rft" else "grpo"
 
 
-#: Optimiser steps of each method: 50 to 65 CPU seconds of training on one thread of a
-#: 2-core AMD EPYC (a GRPO step with its rollouts takes about 1.2 s, 1.7 s with the KL's two
-#: extra forward passes; a rejection-sampling step 0.7 s, an SFT step 40 ms).
+#: Optimiser steps of each method: about the same CPU time for every method (a GRPO step
+#: with its rollouts costs more than a rejection-sampling step, and either far more than an
+#: SFT step); the manifest records each run's seconds, `training_compute` its work.
 STEPS: dict[Method, int] = {"grpo": 50, "grpo-kl": 35, "grpo-rhymes-only": 50, "reinforce": 50,
                             "rft": 80, "sft-random": 1300, "sft-frequent": 1300,
                             "grpo-leaky": 50, "grpo-coin": 50}
@@ -403,8 +404,7 @@ def run_model(method: Method, seed: int = 0, *, progress: bool = False,
     `evaluate_run` in ``metrics["evaluation"]`` and its seconds of training."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+    check_int("seed", seed, 0)
     start, chat, parent = cold_model(progress=progress, recipe=recipe)
 
     def build(say: Any, folder: Path) -> Built:

@@ -39,6 +39,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
+from minigpt.config import check_int, check_positive
 from minigpt.data import split_text
 from minigpt.model import GPT
 from minigpt.optim import configure_optimizer
@@ -94,8 +95,7 @@ class Vocabulary:
                     and len(word) >= RHYME_LETTERS):
                 raise ValueError(f"a vocabulary's words are lower-case letters, at least "
                                  f"{RHYME_LETTERS} of them; got {word!r}")
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise ValueError(f"a word's count must be an int >= 1; {word!r} has {n!r}")
+            check_positive(f"the count of {word!r}", n)
         self.counts: dict[str, int] = dict(sorted(counts.items()))
         by_ending: dict[str, list[str]] = {}
         for word in self.counts:
@@ -129,8 +129,7 @@ def vocabulary(text: str, *, min_count: int = 3, min_letters: int = 3,
     for name, value, low in (("min_count", min_count, 1),
                              ("min_letters", min_letters, RHYME_LETTERS),
                              ("max_letters", max_letters, min_letters)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        check_int(name, value, low)
     counts = Counter(w for w in spoken_words(text) if min_letters <= len(w) <= max_letters)
     return Vocabulary({w: n for w, n in counts.items() if n >= min_count})
 
@@ -299,18 +298,16 @@ class SFTSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    steps: int = Field(ge=1, description="optimiser steps")
-    lr: float = Field(gt=0.0, allow_inf_nan=False, description="AdamW's constant rate")
-    batch_size: int = Field(default=8, ge=1, description="conversations a step")
-    replay_fraction: float = Field(default=0.0, ge=0.0, lt=1.0, allow_inf_nan=False,
-                                   description="the share of a batch from the replay")
-    seed: int = Field(default=0, ge=0, description="the batches' seed")
-    grad_clip: float = Field(default=1.0, ge=0.0, allow_inf_nan=False,
-                             description="the gradient's largest norm (0: not clipped)")
+    steps: int = Field(ge=1)
+    lr: float = Field(gt=0.0, allow_inf_nan=False)
+    batch_size: int = Field(default=8, ge=1)
+    replay_fraction: float = Field(default=0.0, ge=0.0, lt=1.0, allow_inf_nan=False)
+    seed: int = Field(default=0, ge=0)
+    grad_clip: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
 
 
 #: The cold start: SFT of a chat model on random right answers, half of each batch
-#: replaying the older families (about a minute on one thread of a 2-core AMD EPYC).
+#: replaying the older families (its seconds are in the cold start's manifest).
 COLD_START = SFTSettings(steps=1500, lr=6e-4, batch_size=8, replay_fraction=0.5, seed=0)
 
 

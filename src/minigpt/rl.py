@@ -28,7 +28,6 @@ right answers it samples, and how many groups of answers give GRPO no signal.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -40,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor, nn
 
 from minigpt.chat import prompt_ids
+from minigpt.config import check_int, check_positive
 from minigpt.data import Batch
 from minigpt.decoding import eval_mode, generate
 from minigpt.losses import SINGLE
@@ -68,8 +68,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     right one).
     """
     for name, value in (("n", n), ("c", c), ("k", k)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-            raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        check_int(name, value, 0)
     if c > n:
         raise ValueError(f"c, the right answers, cannot exceed n = {n} answers; got c = {c}")
     if not 1 <= k <= n:
@@ -110,11 +109,14 @@ def group_advantages(rewards: Tensor, *, scale: Scale = "std", baseline: Baselin
         scale: "std" or "none". baseline: "group" or "none".
         eps: > 0, keeps the division finite.
     """
-    assert rewards.dim() == 2, "rewards (P, G): P prompts x G answers"
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards (P, G): P prompts x G answers, got {tuple(rewards.shape)}")
     if not rewards.is_floating_point():
         rewards = rewards.to(torch.get_default_dtype())
     if baseline == "none":
-        assert scale == "none", "without a baseline there is no spread to divide by"
+        if scale != "none":
+            raise ValueError("baseline='none' takes the reward itself as the advantage: there "
+                             "is no group spread to divide by, so scale must be 'none'")
         return rewards.clone()
     advantages = rewards - rewards.mean(dim=1, keepdim=True)
     if scale == "std":
@@ -277,7 +279,9 @@ def score(answers: Sequence[str], tasks: Sequence[Task]) -> Tensor:
     Exact match, the comparison by which `minigpt.tasks.exact_match` scores a model: a
     verifiable reward, a program's verdict on the answer (as cut before its end token).
     """
-    assert len(answers) == len(tasks), "one answer per task"
+    if len(answers) != len(tasks):
+        raise ValueError(f"{len(answers)} answers for {len(tasks)} tasks: give one answer per "
+                         "task")
     return torch.tensor([float(a == t.answer) for a, t in zip(answers, tasks, strict=True)])
 
 
@@ -302,18 +306,15 @@ class GRPOSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    group_size: int = Field(default=8, ge=2, description="answers to each question")
-    max_new_tokens: int = Field(default=16, ge=1, description="the longest answer")
-    temperature: float = Field(default=1.0, ge=0.0, allow_inf_nan=False,
-                               description="the sampling temperature (0: greedy)")
-    clip: float = Field(default=0.2, gt=0.0, allow_inf_nan=False, description="PPO's epsilon")
-    kl_coef: float = Field(default=0.0, ge=0.0, allow_inf_nan=False,
-                           description="the KL penalty's weight")
+    group_size: int = Field(default=8, ge=2)
+    max_new_tokens: int = Field(default=16, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
+    clip: float = Field(default=0.2, gt=0.0, allow_inf_nan=False)
+    kl_coef: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
     scale: Scale = "std"
     baseline: Baseline = "group"
     length_norm: LengthNorm = "sequence"
-    grad_clip: float = Field(default=1.0, ge=0.0, allow_inf_nan=False,
-                             description="the gradient's largest norm (0: not clipped)")
+    grad_clip: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _no_spread_without_a_baseline(self) -> GRPOSettings:
@@ -640,8 +641,7 @@ def evaluate_sampled(model: GPT, tokenizer: Tokenizer, tasks: Sequence[Task], *,
     if not tasks:
         raise ValueError("evaluate_sampled needs at least one task")
     for name, value in (("k", k), ("samples", samples), ("max_new_tokens", max_new_tokens)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        check_positive(name, value)
     if samples % k:
         raise ValueError(f"samples must be a multiple of k = {k} (they are cut into groups "
                          f"of k), got {samples}")

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from minigpt.chat import Turn, greedy_replies, prompt_ids
+from minigpt.config import check_positive
 from minigpt.model import GPT
 from minigpt.tokenizer import Tokenizer
 
@@ -53,8 +54,7 @@ def conversations(tasks: Sequence[Task], max_turns: int, *, seed: int = 0,
     ``seed`` and cut into consecutive groups whose sizes are drawn uniformly from 1 to
     ``max_turns``; every task is asked once, and a conversation's questions are unrelated,
     so that each answer depends on its own question only, however many turns precede it."""
-    if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
-        raise ValueError(f"max_turns must be an int >= 1, got {max_turns!r}")
+    check_positive("max_turns", max_turns)
     if not tasks:
         raise ValueError("conversations needs at least one task")
     rng = random.Random(seed)
@@ -160,8 +160,7 @@ def make_tasks(text: str, n_train: int, n_test: int, *, seed: int = 0,
     if unknown or not families:
         raise ValueError(f"unknown task families {unknown}; choose from {sorted(FAMILIES)}")
     for name, n in (("n_train", n_train), ("n_test", n_test)):
-        if n < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {n!r}")
+        check_positive(name, n)
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must lie strictly between 0 and 1, got {test_fraction}")
     rng = random.Random(seed)
