@@ -281,8 +281,7 @@ def add_train(commands: Commands) -> None:
     o.add_argument("--optimizer", choices=literal(TrainConfig, "optimizer"),
                    help=f"muon: Muon on the hidden matrices (default: {t.optimizer})")
     o.add_argument("--muon-lr", type=f("muon_lr"), help=f"Muon's peak rate (default: {t.muon_lr})")
-    o.add_argument("--muon-momentum", type=f("muon_momentum"),
-                   help=f"(default: {t.muon_momentum})")
+    o.add_argument("--muon-momentum", type=f("muon_momentum"), help=f"(default: {t.muon_momentum})")
     o.add_argument("--schedule", choices=literal(TrainConfig, "schedule"),
                    help=f"after the warm-up (default: {t.schedule})")
     o.add_argument("--cooldown-fraction", type=f("cooldown_fraction"),
@@ -296,8 +295,7 @@ RESUMABLE = {"--out", "--resume", "--stop-at", "--threads", "--compile", "--prog
 
 
 def train_command(args: argparse.Namespace, argv: list[str]) -> int:
-    """A new run from the flags, or (--resume) the run saved in --out with its settings;
-    on this process, or on --nproc-per-node processes started by torchrun."""
+    """A new run from the flags, or (--resume) the run saved in --out, with its settings."""
     with _threads(args.threads):
         return _train(args, argv)
 
@@ -381,8 +379,7 @@ _LAUNCHER_FLAGS = ("--nproc-per-node", "--master-port")
 
 def launch(args: argparse.Namespace, config: TrainConfig, argv: list[str]) -> int:
     """Start --nproc-per-node copies of this command with torchrun, after refusing what
-    cannot work: a backend the run's device (``config.device``: a resumed run's is the
-    checkpoint's unless --device is given) cannot use, a resumed run's other number of
+    cannot work: a backend the run's device cannot use, a resumed run's other number of
     processes, a global batch that does not split, a port in use."""
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -518,8 +515,8 @@ def _text(args: argparse.Namespace) -> str:
 
 
 def _tasks(args: argparse.Namespace, text: str | None = None) -> TaskSplit:
-    """The tasks of ``--text`` (or ``text``, read from it already), made as the assistants'
-    are (`minigpt.assistant.seen_tasks`): from the part of the text a base model trained on."""
+    """The tasks of ``--text`` (``text``, if read already) made as the assistants' are: from
+    the part of the text a base model trained on (`minigpt.assistant.seen_tasks`)."""
     return assistant.seen_tasks(_text(args) if text is None else text, args.n_train,
                                 args.n_test, seed=args.task_seed)
 
@@ -534,8 +531,7 @@ def _config(recipe: dict[str, Any], args: argparse.Namespace) -> TrainConfig:
 
 @contextmanager
 def _processes(device: str, threads: int | None = None) -> Iterator[parallel.DistContext]:
-    """This process's place in the run (a process group if torchrun started it), shut down
-    after; with ``threads``, that many torch threads for the run."""
+    """This process's place in the run (torchrun's group, if any), left after; ``threads``."""
     with _threads(threads):
         ctx = parallel.init_distributed(device)
         try:
@@ -545,8 +541,7 @@ def _processes(device: str, threads: int | None = None) -> Iterator[parallel.Dis
 
 
 def _threads(n: int | None) -> AbstractContextManager[None]:
-    """With ``n``, that many torch threads for the block (the count before comes back
-    after)."""
+    """With ``n``, that many torch threads for the block, the count before back after."""
     # Only set-up pins the thread count (`pretrained.threads`), for cached weights that are
     # the same bits on every run; a user's run keeps PyTorch's default (every core; one a
     # rank under torchrun, which sets OMP_NUM_THREADS) unless --threads says otherwise.
