@@ -203,7 +203,8 @@ def test_two_process_resume_continues_the_same_run(
     (["--nproc-per-node", "2", "--batch-size", "4", "--global-batch-size", "12"],
      "--global-batch-size 12 does not split into micro-batches of --batch-size 4 x 2 "
      "processes: it must be a positive multiple of 8"),
-    (["--nproc-per-node", "0"], "argument --nproc-per-node: must be an integer >= 1, got '0'"),
+    (["--nproc-per-node", "0"], "argument --nproc-per-node: Input should be greater than or equal "
+                                 "to 1, got '0'"),
     (["--global-batch-size", "8", "--grad-accum", "2"], "not both"),
 ])
 def test_bad_settings_are_refused_before_any_process_starts(

@@ -2,28 +2,21 @@
 eval, assets and pretrained. Each command is a section below: its flags (plain argparse),
 then the function that runs it.
 
-A value is checked where it enters. A flag of the command line's own (``--steps``,
-``--device``, ``--model``, ...) is checked by its argparse ``type`` or ``choices``. A flag
-named for a field of a validated model of the package (train's `GPTConfig` and
-`TrainConfig`: ``--d-model`` sets ``d_model``; sample's `SampleSettings`) is left to that
-model: not given, the field keeps the model's default, which the flag's help shows; refused,
-the field's error is reported under the flag that set it (`build`).
-
-`train --nproc-per-node N` starts N processes with torch's own launcher; under torchrun
-(`torchrun --nproc-per-node 2 -m minigpt sft ...`) train, sft and dpo train data-parallel:
-every rank trains and scores its share of each evaluation, rank 0 alone prints, scores the
-final exact match and writes. A bad input is one line on stderr: exit 2 for a usage error
-(a flag's value, flags that do not go together), 1 for any other, 130 when interrupted.
+Every value is checked as argparse reads it, and a bad one is refused under its flag: by
+the flag's type (`value`), which for a flag that sets a field of the package's settings
+(``--d-model``: `GPTConfig`'s ``d_model``) is that field's own rules (`field`). The command
+makes the settings from its flags, each named; what they then refuse is a rule across
+fields, said in their words. A bad input is one line on stderr: exit 2 for a usage error,
+1 for any other, 130 when interrupted. `train --nproc-per-node N` starts N processes with
+torchrun; under torchrun, train, sft and dpo train data-parallel and rank 0 alone writes.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import functools
 import inspect
 import json
-import math
 import os
 import random
 import statistics
@@ -32,12 +25,12 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
-from typing import Any, NoReturn, TypeAlias, TypeVar
+from typing import Annotated, Any, NoReturn, TypeAlias, TypeVar, get_args
 
 import torch
-from pydantic import BaseModel, ValidationError
-from pydantic_core import ErrorDetails
+from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 from tqdm import tqdm
 
 from minigpt import assets, assistant, catalogue, data, evals, parallel, pretrained, rewards
@@ -62,7 +55,7 @@ from minigpt.train import METRICS_NAME, saved_settings, train, with_global_batch
 #: torchrun) -> the exit status.
 Command = Callable[[argparse.Namespace, list[str]], int]
 Commands: TypeAlias = "argparse._SubParsersAction[Parser]"
-M = TypeVar("M")
+S = TypeVar("S")
 _FAILURES = (OSError, ValueError, parallel.DistributedError, assets.AssetError)
 
 
@@ -123,41 +116,41 @@ def add_command(commands: Commands, name: str, run: Command, what: str,
     return p
 
 
-# --------------------------------------------------- values checked where they enter
+# ----------------------------------------------------- argparse types: each value's check
+
+def value(kind: Any, rules: Any) -> Callable[[str], Any]:
+    """The text as a ``kind`` that pydantic's ``rules`` allow (``value(int, Field(ge=1))``:
+    an integer, 1 or more); what they refuse is said in pydantic's words."""
+    def read(text: str) -> Any:
+        try:  # pydantic's validator made for a value given, not for every flag of a parser
+            return TypeAdapter(Annotated[kind, rules]).validate_python(text)
+        except ValidationError as err:
+            raise argparse.ArgumentTypeError(f"{err.errors()[0]['msg']}, got {text!r}"
+                                             ) from None
+    return read
+
 
 def at_least(low: int) -> Callable[[str], int]:
-    """An argparse type: an integer, ``low`` or more."""
-    def integer(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = low - 1
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}")
-        return value
-    return integer
+    return value(int, Field(ge=low))
 
 
-def positive(text: str) -> float:
-    """An argparse type: a finite number above 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
-    return value
+positive = value(float, Field(gt=0, allow_inf_nan=False))
+port = value(int, Field(ge=1, le=65535))
 
 
-def port(text: str) -> int:
-    """An argparse type: a TCP port."""
-    if not (text.isdecimal() and 1 <= int(text) <= 65535):
-        raise argparse.ArgumentTypeError(f"must be a port, 1 to 65535, got {text!r}")
-    return int(text)
+def field(model: type[BaseModel], name: str) -> Callable[[str], Any]:
+    """A value of ``model``'s field ``name`` under the field's own rules: the flag that sets
+    `TrainConfig.lr` takes what ``lr`` takes."""
+    return value(model.model_fields[name].annotation, model.model_fields[name])
+
+
+def literal(model: type[BaseModel], name: str) -> tuple[str, ...]:
+    """The values ``model``'s field ``name`` allows: its flag's choices."""
+    return get_args(model.model_fields[name].annotation)
 
 
 def device(text: str) -> str:
-    """An argparse type: a device a model can run on here (`minigpt.config.check_device`)."""
+    """A device a model can run on here (`minigpt.config.check_device`)."""
     try:
         return check_device(text)
     except ValueError as err:
@@ -165,8 +158,8 @@ def device(text: str) -> str:
 
 
 def cached_model(text: str) -> str:
-    """An argparse type: a model set-up caches (`minigpt.catalogue.MODELS`), or another
-    name of one (`minigpt.catalogue.ALIASES`), read as the model's own."""
+    """A model set-up caches (`minigpt.catalogue.MODELS`), or another name of one
+    (`minigpt.catalogue.ALIASES`), read as the model's own."""
     name = catalogue.ALIASES.get(text, text)
     if name not in catalogue.MODELS:  # the registry as it is when the command runs
         raise argparse.ArgumentTypeError(
@@ -174,14 +167,21 @@ def cached_model(text: str) -> str:
     return name
 
 
-def fields(args: argparse.Namespace, model: type[BaseModel]) -> dict[str, Any]:
-    """The flags given that set a field of ``model`` (each is named for its field)."""
-    return {k: v for k, v in vars(args).items() if k in model.model_fields}
+def given(**values: Any) -> dict[str, Any]:
+    """The flags given (one not given is None): a setting left out keeps its default."""
+    return {name: v for name, v in values.items() if v is not None}
 
 
-def default(model: type[BaseModel], name: str) -> Any:
-    """The default of a field of ``model``, for its flag's help to show."""
-    return model.model_fields[name].default
+def settings(args: argparse.Namespace, make: Callable[..., S], *fixed: Any,
+             **values: Any) -> S:
+    """``make(*fixed, **values)``, the package's settings made from flags each checked
+    already: what ``make`` refuses is a rule across them, a usage error in its own words."""
+    try:
+        return make(*fixed, **values)
+    except ValidationError as err:
+        parser: Parser = args.parser
+        parser.error("; ".join(str(e.get("ctx", {}).get("error", e["msg"]))
+                               for e in err.errors()))
 
 
 def keyword_default(function: Callable[..., Any], name: str) -> Any:
@@ -189,37 +189,12 @@ def keyword_default(function: Callable[..., Any], name: str) -> Any:
     return inspect.signature(function).parameters[name].default
 
 
-def flags_of(parser: argparse.ArgumentParser) -> dict[str, str]:
-    """Each option's destination -> its flag: ``max_steps`` -> ``--max-steps``."""
-    return {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
-
-
-def build(make: Callable[..., M], args: argparse.Namespace, **values: Any) -> M:
-    """``make(**values)``, a validated model of the package made from flags. A field it
-    refuses is a usage error under the flag that set it; a rule across fields is said in
-    the model's own words."""
-    try:
-        return make(**values)
-    except ValidationError as err:
-        parser: Parser = args.parser
-        flags = flags_of(parser)
-        parser.error("; ".join(_under_flag(e, flags) for e in err.errors()))
-
-
-def _under_flag(error: ErrorDetails, flags: dict[str, str]) -> str:
-    # A ValueError raised by a validator is in the context as itself.
-    message = str(error["ctx"]["error"]) if error["type"] == "value_error" else error["msg"]
-    if not error["loc"]:
-        return message
-    field = str(error["loc"][0])
-    return f"argument {flags.get(field, field)}: {message} (got {error['input']!r})"
-
-
 # -------------------------------------------------------------------------------- train
 
 def add_train(commands: Commands) -> None:
     p = add_command(commands, "train", train_command, "train a GPT on a text file (defaults: "
                     "nanoGPT's CPU recipe for character-level Shakespeare)")
+    on_off = argparse.BooleanOptionalAction
     r = p.add_argument_group("run")
     r.add_argument("--out", type=Path, required=True,
                    help="folder of checkpoint.pt, metrics.json, history.json, the ids")
@@ -229,7 +204,7 @@ def add_train(commands: Commands) -> None:
     r.add_argument("--threads", type=at_least(1), help="torch threads (default: PyTorch's)")
     r.add_argument("--compile", action="store_true", help="torch.compile the steps (needs a "
                    "C++ compiler)")
-    r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+    r.add_argument("--progress", action=on_off, default=True,
                    help="show a progress bar (default: %(default)s)")
     r.add_argument("--nproc-per-node", type=at_least(1), help="processes to start (torchrun)")
     r.add_argument("--master-port", type=port, help="their port on 127.0.0.1 (default: free)")
@@ -244,110 +219,114 @@ def add_train(commands: Commands) -> None:
                    "modern layout and training under the flags given (default: %(default)s)")
     n.add_argument("--global-batch-size", type=at_least(1),
                    help="sequences a step sees over all the processes; sets --grad-accum")
-
-    # A model or optimisation flag not given is left out: the preset fills in its field.
-    c = GPTConfig.shakespeare_cpu(vocab_size=65)  # the defaults (V comes from the text)
+    # A model or optimisation flag not given is None: the recipe's preset fills in its field.
+    c, g = GPTConfig.shakespeare_cpu(vocab_size=65), partial(field, GPTConfig)
     m = p.add_argument_group("model: GPTConfig's fields (default: GPTConfig.shakespeare_cpu; "
-                             "--recipe modern: .modern)", argument_default=argparse.SUPPRESS)
-    on_off = argparse.BooleanOptionalAction
-    m.add_argument("--context-length", type=int, help=f"T_max (default: {c.context_length})")
-    m.add_argument("--d-model", type=int, help=f"D, the residual width (default: {c.d_model})")
-    m.add_argument("--n-heads", type=int, help=f"H, heads a layer (default: {c.n_heads})")
-    m.add_argument("--n-layers", type=int, help=f"L, blocks (default: {c.n_layers})")
-    m.add_argument("--d-ff", type=int, help="feed-forward width (4 D; 8D/3 with swiglu)")
-    m.add_argument("--dropout", type=float, help=f"in [0, 1) (default: {c.dropout})")
+                             "--recipe modern: .modern)")
+    m.add_argument("--context-length", type=g("context_length"),
+                   help=f"T_max (default: {c.context_length})")
+    m.add_argument("--d-model", type=g("d_model"), help=f"D, the width (default: {c.d_model})")
+    m.add_argument("--n-heads", type=g("n_heads"), help=f"H, heads a layer (default: {c.n_heads})")
+    m.add_argument("--n-layers", type=g("n_layers"), help=f"L, blocks (default: {c.n_layers})")
+    m.add_argument("--d-ff", type=g("d_ff"), help="feed-forward width (4 D; 8D/3 with swiglu)")
+    m.add_argument("--dropout", type=g("dropout"), help=f"in [0, 1) (default: {c.dropout})")
     m.add_argument("--bias", action=on_off, help=f"biases (default: {c.bias})")
     m.add_argument("--tie-weights", action=on_off,
                    help=f"the head is the token embedding (default: {c.tie_weights})")
-    m.add_argument("--positional", choices=("learned", "sinusoidal", "rope"),
+    m.add_argument("--positional", choices=literal(GPTConfig, "positional"),
                    help=f"positions (default: {c.positional})")
-    m.add_argument("--layer-norm-eps", type=float, help=f"(default: {c.layer_norm_eps})")
-    m.add_argument("--activation", choices=("gelu_tanh", "gelu", "relu2", "swiglu"),
+    m.add_argument("--layer-norm-eps", type=g("layer_norm_eps"),
+                   help=f"(default: {c.layer_norm_eps})")
+    m.add_argument("--activation", choices=literal(GPTConfig, "activation"),
                    help=f"the feed-forward non-linearity (default: {c.activation})")
-    m.add_argument("--norm", choices=("layernorm", "rmsnorm"), help=f"(default: {c.norm})")
+    m.add_argument("--norm", choices=literal(GPTConfig, "norm"), help=f"(default: {c.norm})")
     m.add_argument("--norm-weight", action=on_off,
                    help=f"norms have a learned gain (default: {c.norm_weight})")
     m.add_argument("--qk-norm", action=on_off,
                    help=f"normalise queries and keys (default: {c.qk_norm})")
-    m.add_argument("--n-kv-heads", type=int,
+    m.add_argument("--n-kv-heads", type=g("n_kv_heads"),
                    help="key-value heads (grouped-query attention; default: --n-heads)")
-    m.add_argument("--rope-base", type=float, help=f"(default: {c.rope_base})")
+    m.add_argument("--rope-base", type=g("rope_base"), help=f"(default: {c.rope_base})")
     m.add_argument("--zero-init", action=on_off,
                    help=f"output projections start at zero (default: {c.zero_init})")
-
-    t = TrainConfig()  # the defaults
+    t, f = TrainConfig(), partial(field, TrainConfig)
     o = p.add_argument_group("optimisation: TrainConfig's fields (default: TrainConfig(); "
-                             "--recipe modern: .modern)", argument_default=argparse.SUPPRESS)
-    o.add_argument("--batch-size", type=int,
+                             "--recipe modern: .modern)")
+    o.add_argument("--batch-size", type=f("batch_size"),
                    help=f"B, sequences a micro-batch, per process (default: {t.batch_size})")
-    o.add_argument("--grad-accum", type=int,
+    o.add_argument("--grad-accum", type=f("grad_accum"),
                    help=f"micro-batches a step (default: {t.grad_accum})")
-    o.add_argument("--max-steps", type=int, help=f"optimiser steps (default: {t.max_steps})")
-    o.add_argument("--lr", type=float, help=f"peak learning rate (default: {t.lr})")
-    o.add_argument("--min-lr", type=float, help=f"the rate decayed to (default: {t.min_lr})")
-    o.add_argument("--warmup-steps", type=int, help="linear warm-up (default: "
-                   f"{default(TrainConfig, 'warmup_steps')}, or --decay-steps if fewer)")
-    o.add_argument("--decay-steps", type=int, help="where the schedule reaches --min-lr "
-                   "(default: --max-steps)")
-    o.add_argument("--weight-decay", type=float,
+    o.add_argument("--max-steps", type=f("max_steps"),
+                   help=f"optimiser steps (default: {t.max_steps})")
+    o.add_argument("--lr", type=f("lr"), help=f"peak learning rate (default: {t.lr})")
+    o.add_argument("--min-lr", type=f("min_lr"), help=f"the rate decayed to (default: {t.min_lr})")
+    o.add_argument("--warmup-steps", type=f("warmup_steps"),
+                   help=f"linear warm-up (default: {t.warmup_steps}, or --decay-steps if fewer)")
+    o.add_argument("--decay-steps", type=f("decay_steps"),
+                   help="where the schedule reaches --min-lr (default: --max-steps)")
+    o.add_argument("--weight-decay", type=f("weight_decay"),
                    help=f"on matrices only (default: {t.weight_decay})")
-    o.add_argument("--beta1", type=float, help=f"AdamW's (default: {t.beta1})")
-    o.add_argument("--beta2", type=float, help=f"AdamW's (default: {t.beta2})")
-    o.add_argument("--grad-clip", type=float, help=f"0: none (default: {t.grad_clip})")
-    o.add_argument("--eval-interval", type=int,
-                   help=f"evaluate and checkpoint every this many steps (default: "
-                   f"{t.eval_interval})")
-    o.add_argument("--eval-steps", type=int,
+    o.add_argument("--beta1", type=f("beta1"), help=f"AdamW's (default: {t.beta1})")
+    o.add_argument("--beta2", type=f("beta2"), help=f"AdamW's (default: {t.beta2})")
+    o.add_argument("--grad-clip", type=f("grad_clip"), help=f"0: none (default: {t.grad_clip})")
+    o.add_argument("--eval-interval", type=f("eval_interval"), help="evaluate and checkpoint "
+                   f"every this many steps (default: {t.eval_interval})")
+    o.add_argument("--eval-steps", type=f("eval_steps"),
                    help=f"batches a split an evaluation (default: {t.eval_steps})")
     o.add_argument("--eval-full", action=on_off,
                    help=f"validate on the whole split (default: {t.eval_full})")
-    o.add_argument("--seed", type=int, help=f"weights, batches, dropout (default: {t.seed})")
+    o.add_argument("--seed", type=f("seed"), help=f"weights, batches, dropout (default: {t.seed})")
     o.add_argument("--bf16", action=on_off, help=f"bf16 autocast (default: {t.bf16})")
     o.add_argument("--device", type=device, help=f"cpu, cuda, cuda:1, ... (default: {t.device})")
-    o.add_argument("--optimizer", choices=("adamw", "muon"),
+    o.add_argument("--optimizer", choices=literal(TrainConfig, "optimizer"),
                    help=f"muon: Muon on the hidden matrices (default: {t.optimizer})")
-    o.add_argument("--muon-lr", type=float, help=f"Muon's peak rate (default: {t.muon_lr})")
-    o.add_argument("--muon-momentum", type=float, help=f"(default: {t.muon_momentum})")
-    o.add_argument("--schedule", choices=("cosine", "trapezoid"),
+    o.add_argument("--muon-lr", type=f("muon_lr"), help=f"Muon's peak rate (default: {t.muon_lr})")
+    o.add_argument("--muon-momentum", type=f("muon_momentum"), help=f"(default: {t.muon_momentum})")
+    o.add_argument("--schedule", choices=literal(TrainConfig, "schedule"),
                    help=f"after the warm-up (default: {t.schedule})")
-    o.add_argument("--cooldown-fraction", type=float,
+    o.add_argument("--cooldown-fraction", type=f("cooldown_fraction"),
                    help=f"the trapezoid's, of --decay-steps (default: {t.cooldown_fraction})")
 
 
-#: What `train --resume` takes besides the run flags: the rest is the checkpoint's.
-_RESUMABLE = {"out", "resume", "stop_at", "threads", "compile", "progress", "nproc_per_node",
-              "master_port", "backend", "max_steps", "device"}
+#: The flags `train --resume` takes: the run's other settings are its checkpoint's.
+RESUMABLE = {"--out", "--resume", "--stop-at", "--threads", "--compile", "--progress",
+             "--no-progress", "--nproc-per-node", "--master-port", "--backend", "--max-steps",
+             "--device"}
 
 
 def train_command(args: argparse.Namespace, argv: list[str]) -> int:
-    """A new run from the flags, or (--resume) the run saved in --out with its settings;
-    on this process, or on --nproc-per-node processes started by torchrun."""
+    """A new run from the flags, or (--resume) the run saved in --out, with its settings."""
     with _threads(args.threads):
         return _train(args, argv)
 
 
 def _train(args: argparse.Namespace, argv: list[str]) -> int:
-    p: Parser = args.parser
     if args.bpe_vocab_size is not None and args.tokenizer != "bpe":
-        p.error("--bpe-vocab-size applies only with --tokenizer bpe")
+        args.parser.error("--bpe-vocab-size applies only with --tokenizer bpe")
     if args.out.exists() and not args.out.is_dir():
         raise ValueError(f"--out {args.out} exists and is not a directory")
     shape: GPTConfig | None = None  # a new run's: made with its tokenizer, from the text
     tokenizer: Tokenizer | None = None
     if args.resume:
-        flags = flags_of(p)
-        if extra := sorted(flags[k] for k, v in vars(args).items()
-                           if k not in _RESUMABLE and v != p.get_default(k)):
+        if extra := sorted({a.split("=")[0] for a in argv if a.startswith("--")} - RESUMABLE):
             raise ValueError(f"--resume continues the run saved in --out with its own settings;"
                              f" drop {', '.join(extra)} (only --max-steps and --device may change)")
-        shape, config, tokenizer = build(functools.partial(saved_settings, args.out), args, **{
-            k: v for k, v in vars(args).items() if k in ("max_steps", "device")})
+        shape, config, tokenizer = settings(args, saved_settings, args.out, **given(
+            max_steps=args.max_steps, device=args.device))
     else:
-        if args.global_batch_size is not None and "grad_accum" in args:
+        if args.global_batch_size is not None and args.grad_accum is not None:
             raise ValueError("give --global-batch-size or --grad-accum, not both: the global "
                              "batch size sets the accumulation steps")
         make = TrainConfig.modern if args.recipe == "modern" else TrainConfig
-        config = build(make, args, **fields(args, TrainConfig))
+        config = settings(args, make, **given(
+            batch_size=args.batch_size, grad_accum=args.grad_accum, max_steps=args.max_steps,
+            lr=args.lr, min_lr=args.min_lr, warmup_steps=args.warmup_steps,
+            decay_steps=args.decay_steps, weight_decay=args.weight_decay, beta1=args.beta1,
+            beta2=args.beta2, grad_clip=args.grad_clip, eval_interval=args.eval_interval,
+            eval_steps=args.eval_steps, eval_full=args.eval_full, seed=args.seed,
+            bf16=args.bf16, device=args.device, optimizer=args.optimizer,
+            muon_lr=args.muon_lr, muon_momentum=args.muon_momentum, schedule=args.schedule,
+            cooldown_fraction=args.cooldown_fraction))
     if args.nproc_per_node is not None and "RANK" not in os.environ:
         return launch(args, config, argv)
     text, source = None, None
@@ -385,7 +364,13 @@ def _new_model(args: argparse.Namespace) -> tuple[GPTConfig, Tokenizer, str, str
     tokenizer = get_tokenizer("bpe", data.split_text(text)[0], vocab_size=args.bpe_vocab_size
                               ) if args.tokenizer == "bpe" else get_tokenizer(args.tokenizer, text)
     make = GPTConfig.modern if args.recipe == "modern" else GPTConfig.shakespeare_cpu
-    shape = build(make, args, vocab_size=tokenizer.vocab_size, **fields(args, GPTConfig))
+    shape = settings(args, make, tokenizer.vocab_size, **given(
+        context_length=args.context_length, d_model=args.d_model, n_heads=args.n_heads,
+        n_layers=args.n_layers, d_ff=args.d_ff, dropout=args.dropout, bias=args.bias,
+        tie_weights=args.tie_weights, positional=args.positional,
+        layer_norm_eps=args.layer_norm_eps, activation=args.activation, norm=args.norm,
+        norm_weight=args.norm_weight, qk_norm=args.qk_norm, n_kv_heads=args.n_kv_heads,
+        rope_base=args.rope_base, zero_init=args.zero_init))
     return shape, tokenizer, text, source
 
 
@@ -394,8 +379,7 @@ _LAUNCHER_FLAGS = ("--nproc-per-node", "--master-port")
 
 def launch(args: argparse.Namespace, config: TrainConfig, argv: list[str]) -> int:
     """Start --nproc-per-node copies of this command with torchrun, after refusing what
-    cannot work: a backend the run's device (``config.device``: a resumed run's is the
-    checkpoint's unless --device is given) cannot use, a resumed run's other number of
+    cannot work: a backend the run's device cannot use, a resumed run's other number of
     processes, a global batch that does not split, a port in use."""
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -428,39 +412,41 @@ def launch(args: argparse.Namespace, config: TrainConfig, argv: list[str]) -> in
 # ------------------------------------------------------------------------------- sample
 
 def add_sample(commands: Commands) -> None:
-    # Every flag is a field of SampleSettings: one not given is left to its default.
     p = add_command(commands, "sample", sample_command, "continue a prompt with a trained "
-                    "checkpoint", argument_default=argparse.SUPPRESS)
-    s = SampleSettings
+                    "checkpoint")
+    s, f = SampleSettings.model_construct(), partial(field, SampleSettings)  # the defaults
     p.add_argument("--checkpoint", type=Path, required=True,
                    help="the --out folder of `python -m minigpt train`")
-    p.add_argument("--prompt", help=f"text to continue (default: {default(s, 'prompt')!r})")
-    p.add_argument("--max-new-tokens", type=int,
-                   help=f"tokens to add (default: {default(s, 'max_new_tokens')})")
-    p.add_argument("--temperature", type=float, help="0 is greedy (default: 1)")
-    p.add_argument("--top-k", type=int, help="sample among the k most likely tokens only")
-    p.add_argument("--top-p", type=float, help="sample among the fewest most likely tokens "
-                   "whose probabilities add up to p")
+    p.add_argument("--prompt", type=f("prompt"), help=f"text to continue (default: {s.prompt!r})")
+    p.add_argument("--max-new-tokens", type=f("max_new_tokens"),
+                   help=f"tokens to add (default: {s.max_new_tokens})")
+    p.add_argument("--temperature", type=f("temperature"), help="0 is greedy (default: 1)")
+    p.add_argument("--top-k", type=f("top_k"), help="sample among the k most likely tokens only")
+    p.add_argument("--top-p", type=f("top_p"), help="sample among the fewest most likely "
+                   "tokens whose probabilities add up to p")
     p.add_argument("--greedy", action="store_true", help="always take the most likely token")
-    p.add_argument("--seed", type=int, help=f"seeds the sampler (default: {default(s, 'seed')})")
-    p.add_argument("--num-samples", type=int, help="independent continuations to print "
-                   f"(default: {default(s, 'num_samples')})")
+    p.add_argument("--seed", type=f("seed"), help=f"seeds the sampler (default: {s.seed})")
+    p.add_argument("--num-samples", type=f("num_samples"),
+                   help=f"independent continuations to print (default: {s.num_samples})")
     p.add_argument("--cache", action=argparse.BooleanOptionalAction, help="keep a key-value "
-                   f"cache (--no-cache: slower, the same tokens) (default: {default(s, 'cache')})")
-    p.add_argument("--device", type=device,
-                   help=f"cpu, cuda, cuda:1, ... (default: {default(s, 'device')})")
+                   f"cache (--no-cache: slower, the same tokens) (default: {s.cache})")
+    p.add_argument("--device", type=device, help=f"cpu, cuda, cuda:1, ... (default: {s.device})")
     search = p.add_mutually_exclusive_group()
-    search.add_argument("--beams", type=int, help="beam search with this many beams: the most "
-                        "likely continuation found, no sampling")
+    search.add_argument("--beams", type=f("beams"), help="beam search with this many beams: "
+                        "the most likely continuation found, no sampling")
     search.add_argument("--draft", type=Path, help="speculative sampling: a smaller model's "
                         "checkpoint (the same tokenizer) proposes, this one checks")
-    p.add_argument("--speculate", type=int,
+    p.add_argument("--speculate", type=f("speculate"),
                    help="tokens the draft proposes a round (default: 4; needs --draft)")
 
 
 def sample_command(args: argparse.Namespace, argv: list[str]) -> int:
-    settings = build(SampleSettings, args, **fields(args, SampleSettings))
-    print(("\n" + "-" * 40 + "\n").join(sample_texts(settings)))
+    s = settings(args, SampleSettings, **given(
+        checkpoint=args.checkpoint, prompt=args.prompt, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, greedy=args.greedy,
+        seed=args.seed, num_samples=args.num_samples, cache=args.cache, device=args.device,
+        beams=args.beams, draft=args.draft, speculate=args.speculate))
+    print(("\n" + "-" * 40 + "\n").join(sample_texts(s)))
     return 0
 
 
@@ -529,8 +515,8 @@ def _text(args: argparse.Namespace) -> str:
 
 
 def _tasks(args: argparse.Namespace, text: str | None = None) -> TaskSplit:
-    """The tasks of ``--text`` (or ``text``, read from it already), made as the assistants'
-    are (`minigpt.assistant.seen_tasks`): from the part of the text a base model trained on."""
+    """The tasks of ``--text`` (``text``, if read already) made as the assistants' are: from
+    the part of the text a base model trained on (`minigpt.assistant.seen_tasks`)."""
     return assistant.seen_tasks(_text(args) if text is None else text, args.n_train,
                                 args.n_test, seed=args.task_seed)
 
@@ -545,8 +531,7 @@ def _config(recipe: dict[str, Any], args: argparse.Namespace) -> TrainConfig:
 
 @contextmanager
 def _processes(device: str, threads: int | None = None) -> Iterator[parallel.DistContext]:
-    """This process's place in the run (a process group if torchrun started it), shut down
-    after; with ``threads``, that many torch threads for the run."""
+    """This process's place in the run (torchrun's group, if any), left after; ``threads``."""
     with _threads(threads):
         ctx = parallel.init_distributed(device)
         try:
@@ -556,8 +541,7 @@ def _processes(device: str, threads: int | None = None) -> Iterator[parallel.Dis
 
 
 def _threads(n: int | None) -> AbstractContextManager[None]:
-    """With ``n``, that many torch threads for the block (the count before comes back
-    after)."""
+    """With ``n``, that many torch threads for the block, the count before back after."""
     # Only set-up pins the thread count (`pretrained.threads`), for cached weights that are
     # the same bits on every run; a user's run keeps PyTorch's default (every core; one a
     # rank under torchrun, which sets OMP_NUM_THREADS) unless --threads says otherwise.
@@ -663,13 +647,12 @@ SHOWN = ("terror", "metaphor", "night")
 
 
 def rl_command(args: argparse.Namespace, argv: list[str]) -> int:
-    p: Parser = args.parser
     cold = args.method == "cold"
     if cold and (args.steps is not None or args.lr is not None):
-        p.error("--method cold evaluates the start as it is: --steps and --lr continue it "
-                "with a method")
+        args.parser.error("--method cold evaluates the start as it is: --steps and --lr "
+                          "continue it with a method")
     if args.out is None and args.json is None:
-        p.error("give --out, --json or both: where the run's numbers go")
+        args.parser.error("give --out, --json or both: where the run's numbers go")
     recipe = rewards.REWARDS_RECIPE
     steps = 0 if cold else recipe.steps[args.method] if args.steps is None else args.steps
     lr = None if cold else recipe.lr[args.method] if args.lr is None else args.lr
@@ -709,7 +692,7 @@ def rl_command(args: argparse.Namespace, argv: list[str]) -> int:
         with args.json.open("a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
     if args.out is not None:
-        config = TrainConfig(max_steps=steps, seed=args.seed, lr=lr or default(TrainConfig, "lr"))
+        config = TrainConfig(max_steps=steps, seed=args.seed, **given(lr=lr))
         args.out.mkdir(parents=True, exist_ok=True)
         # A rewards run is not resumed: its checkpoint holds the model, not the optimiser.
         save_checkpoint(args.out / CHECKPOINT_NAME, {
