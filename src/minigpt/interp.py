@@ -26,7 +26,6 @@ A GPT's residual stream is a sum: the embeddings, then what every head and every
 from __future__ import annotations
 
 import copy
-import hashlib
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -640,9 +639,9 @@ def probe_rows(model: GPT, val: Tensor, count: int) -> Tensor:
 
 
 def _train_copier(recipe: CopyRecipe, text: str, say: Any, folder: Path) -> Built:
-    layers = f"{recipe.n_layers} layer" + ("" if recipe.n_layers == 1 else "s")
-    say(f"training a copier once ({layers}, {recipe.steps} steps, "
-        f"repeats in {recipe.repeat_fraction:.0%} of rows); it is cached in {folder}")
+    say(f"training a copier once ({pretrained.plural(recipe.n_layers, 'layer')}, "
+        f"{recipe.steps} steps, repeats in {recipe.repeat_fraction:.0%} of rows); it is "
+        f"cached in {folder}")
     return train_copier(recipe, text)
 
 
@@ -723,11 +722,9 @@ def copier(recipe: CopyRecipe, *, progress: bool = False, cache: Path | None = N
     once and cached (the key covers the recipe, the corpus, PyTorch and `COPIER_MODULES`)."""
     text = pretrained.corpus()
     tokenizer = CharTokenizer.from_text(text)
-    material = {"source_sha256": pretrained.source_sha256(COPIER_MODULES),
-                "model_config": recipe.gpt_config(tokenizer.vocab_size).model_dump(),
-                "recipe": recipe.model_dump(),
-                "corpus_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
-                **pretrained.environment()}
+    material = pretrained.model_material(COPIER_MODULES, recipe.gpt_config(tokenizer.vocab_size),
+                                         recipe=recipe.model_dump(),
+                                         corpus_sha256=pretrained.corpus_sha256(text))
     model, info = pretrained.cached_model(material, partial(_train_copier, recipe, text),
                                           progress=progress, cache=cache)
     return model, tokenizer, info

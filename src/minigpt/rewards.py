@@ -338,9 +338,9 @@ def evaluate_run(model: GPT, start: GPT, tokenizer: Tokenizer, data: RewardsData
 
 def _material(kind_: str, parent: ModelInfo, model: GPT, recipe: RewardsRecipe,
               **more: Any) -> dict[str, Any]:
-    return {"source_sha256": pretrained.source_sha256(REWARDS_MODULES), "kind": kind_,
-            "parent": parent.key, "model_config": model.config.model_dump(),
-            "recipe": recipe.model_dump(mode="json"), **pretrained.environment()} | more
+    return pretrained.model_material(REWARDS_MODULES, model.config, kind=kind_,
+                                     parent=parent.key, recipe=recipe.model_dump(mode="json"),
+                                     **more)
 
 
 #: The older families with the least room (``sft-0``'s lowest exact match), and how their
