@@ -104,8 +104,11 @@ STEPS: dict[Method, int] = {"grpo": 50, "grpo-kl": 35, "grpo-rhymes-only": 50, "
 #: AdamW's constant rate of each method: of 1e-4, 3e-4 and 1e-3 (GRPO, rejection sampling)
 #: or 3e-4, 6e-4 and 1.2e-3 (SFT), the rate with the best pass@1 on 100 held-out words that
 #: the chapter's evaluation does not read, among those that kept the older families' mean
-#: exact match within 0.03 of the cold start's (`tools/rl_rhymes.py --validation`, seed 0);
-#: GRPO's variants, REINFORCE without a baseline among them, take GRPO's.
+#: exact match within 0.03 of the cold start's; GRPO's variants, REINFORCE without a
+#: baseline among them, take GRPO's. The chapter prints that sweep from
+#: book/data/rewards_sweep.jsonl, one row a run of seed 0 (about two minutes each), the
+#: cold start's first: ``python -m minigpt rl --threads 1 --validation --json
+#: book/data/rewards_sweep.jsonl --method METHOD [--lr RATE]``.
 LR: dict[Method, float] = {"grpo": 3e-4, "grpo-kl": 3e-4, "grpo-rhymes-only": 3e-4,
                            "reinforce": 3e-4, "rft": 3e-4, "sft-random": 6e-4,
                            "sft-frequent": 6e-4, "grpo-leaky": 3e-4, "grpo-coin": 3e-4}
