@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import load_tool
 from test_assistant import play
 
 from minigpt import GPT, GPTConfig
@@ -872,12 +871,6 @@ def test_rl_cold_evaluates_the_start_and_validation_other_words(
     words, other = evaluated
     assert len(words) == len(other) and not set(words) & set(other)
     assert list(tmp_path.iterdir()) == [rows]  # no --out: no checkpoint
-
-
-def test_the_sweep_tool_is_rl(capsys: pytest.CaptureFixture[str]) -> None:
-    tool = load_tool("rl_rhymes")
-    assert tool.main(["--method", "cold", "--steps", "5", "--json", "x"]) == 2
-    assert "minigpt rl: error: --method cold evaluates the start" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("argv", "code", "message"), [

@@ -17,6 +17,7 @@ from minigpt.decoding import (
     beam_search,
     eval_mode,
     generate,
+    generate_by_length,
     inverse_cdf,
     top_k_filter,
     top_p_filter,
@@ -470,3 +471,22 @@ def test_inverse_cdf_of_uniform_draws_follows_the_distribution() -> None:
 def test_inverse_cdf_refuses_a_draw_outside_the_unit_interval(bad: float) -> None:
     with pytest.raises(ValueError, match="u must"):
         inverse_cdf(torch.tensor([0.5, 0.5]), bad)
+
+
+def test_generation_by_length_batches_each_length_in_order_of_appearance(model: GPT) -> None:
+    T = model.config.context_length
+    prompts = [[1, 2], [3], [4, 5], [6], [7] * (T - 1)]
+    groups = generate_by_length(model, prompts, 4, repeats=2,
+                                generator=torch.Generator().manual_seed(0))
+    assert [rows for rows, _ in groups] == [[0, 2], [1, 3], [4]]
+    draws = torch.Generator().manual_seed(0)  # the same draws, batch after batch
+    for rows, ids in groups:
+        n = len(prompts[rows[0]])
+        again = generate(model, [prompts[k] for k in rows for _ in range(2)],
+                         min(4, T - n), generator=draws)
+        assert torch.equal(ids, again) and ids.shape == (2 * len(rows), n + min(4, T - n))
+        assert all(ids[i, :n].tolist() == prompts[rows[i // 2]] for i in range(len(ids)))
+    with pytest.raises(ValueError, match=f"prompt 1 has {T} tokens; a prompt needs 1 to"):
+        generate_by_length(model, [[1], [1] * T], 4)
+    with pytest.raises(ValueError, match="prompt 0 has 0 tokens"):
+        generate_by_length(model, [[]], 4)

@@ -325,7 +325,7 @@ def test_kl_is_zero_for_the_reference_itself_and_positive_after_training() -> No
     assert kl == sampled_kl(result.model, reference, prompts, end, samples=2, seed=1)
     with pytest.raises(ValueError, match="at least one prompt"):
         sampled_kl(model, model, [], end)
-    with pytest.raises(ValueError, match="a prompt has 64 tokens; it needs 1 to 63"):
+    with pytest.raises(ValueError, match="prompt 0 has 64 tokens; a prompt needs 1 to 63"):
         sampled_kl(model, model, [[1] * 64], end)
 
 

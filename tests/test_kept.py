@@ -37,6 +37,19 @@ def test_the_files_are_read_by_their_code_and_the_book_by_its_data(tmp_path: Pat
     assert kept.files_digest(tmp_path) != with_data  # the models set-up should have
 
 
+def test_given_files_are_read_alone_and_byte_for_byte(tmp_path: Path) -> None:
+    page, style = tmp_path / "index.html", tmp_path / "_static" / "page.css"
+    style.parent.mkdir()
+    page.write_text("<p>a</p>\n", "utf-8")
+    style.write_text("p {}  /* a comment counts */\n", "utf-8")
+    digest = kept.files_digest(tmp_path, [page, style])
+    (tmp_path / "unlisted.txt").write_text("x", "utf-8")
+    assert kept.files_digest(tmp_path, [page, style]) == digest  # only the files given
+    assert kept.files_digest(tmp_path, [page]) != digest
+    style.write_text("p {}  /* another comment */\n", "utf-8")
+    assert kept.files_digest(tmp_path, [page, style]) != digest
+
+
 def test_a_key_reads_its_parts_and_the_environment_that_steers() -> None:
     environ = {"HOME": "/root", "MINIGPT_CENSUS": "/a"}
     key = kept.key({"a": "1"}, environ)

@@ -23,7 +23,7 @@ from test_dpo import tasks as all_tasks
 from minigpt import GPT
 from minigpt.chat import greedy_replies, prompt_ids
 from minigpt.data import Batch
-from minigpt.dpo import sequence_logprobs
+from minigpt.losses import token_logprobs
 from minigpt.optim import configure_optimizer
 from minigpt.rl import (
     EVAL_CHUNK,
@@ -42,7 +42,6 @@ from minigpt.rl import (
     rollouts,
     sampled_positions,
     score,
-    token_logprobs,
     zero_signal_groups,
 )
 from minigpt.tasks import Task, exact_match
@@ -348,15 +347,19 @@ def test_k1_and_k3_are_unbiased_and_k3_is_never_negative() -> None:
 
 # ----- rollouts and rewards ----------------------------------------------------------------
 
-def test_token_logprobs_are_the_per_token_terms_of_sequence_logprobs() -> None:
+def test_token_logprobs_are_each_masked_targets_log_probability() -> None:
     model, _ = chat_model()
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, model.config.vocab_size, (3, 10), generator=g)
     y = torch.randint(0, model.config.vocab_size, (3, 10), generator=g)
     mask = torch.rand(3, 10, generator=g) < 0.5
-    logp = token_logprobs(model, x, y, mask)
+    logp = token_logprobs(model(x), y, mask)
     assert logp.shape == (3, 10) and torch.equal(logp[~mask], torch.zeros(int((~mask).sum())))
-    torch.testing.assert_close(logp.sum(1), sequence_logprobs(model, x, y, mask))
+    with torch.no_grad():
+        probs = torch.softmax(model(x).double(), dim=-1)
+    for n, t in mask.nonzero().tolist():
+        assert logp[n, t].item() == pytest.approx(math.log(probs[n, t, y[n, t]].item()),
+                                                  abs=1e-5)
 
 
 def _prompts(tok: CharTokenizer, n: int = 6) -> list[list[int]]:
@@ -420,6 +423,11 @@ def test_bad_batch_arguments_are_refused_where_they_enter() -> None:
         grpo_batch(model, tok, all_tasks()[:1], SETTINGS, generator=on_a_gpu)
 
 
+def test_rollouts_refuse_a_prompt_the_context_cannot_hold() -> None:
+    model, tok = chat_model()
+    args = dict(group_size=2, max_new_tokens=4, generator=None)
+    with pytest.raises(ValueError, match="prompt 1 has 64 tokens; a prompt needs 1 to 63"):
+        rollouts(model, tok, [[1], [1] * 64], **args)  # type: ignore[arg-type]
 
 
 def reachable(model: GPT, tok: CharTokenizer, n: int, max_new_tokens: int) -> list[Task]:
@@ -485,7 +493,7 @@ def test_a_step_measures_and_moves_the_policy() -> None:
         loss = rollout_loss(model.eval(), batch, settings=SETTINGS)
     assert loss.item() == pytest.approx(stats.loss, abs=1e-6)
     # what it logged of the sampler, and the work it did
-    assert stats.entropy == pytest.approx(answer_entropy(model, batch.x, batch.mask).item(),
+    assert stats.entropy == pytest.approx(answer_entropy(model(batch.x), batch.mask).item(),
                                           abs=1e-6)
     prompts = batch.mask.int().argmax(dim=1) + 1  # the first answer target ends the prompt
     assert stats.answers == 32 and stats.tokens_trained == batch.x.numel()
@@ -499,7 +507,7 @@ def test_the_entropy_is_the_mean_over_the_answers_tokens() -> None:
     mask = torch.tensor([[False, True, True, False], [True, True, True, True]])
     with torch.no_grad():
         every = torch.distributions.Categorical(logits=model.eval()(x).float()).entropy()
-    assert answer_entropy(model, x, mask).item() == pytest.approx(every[mask].mean().item(),
+    assert answer_entropy(model(x), mask).item() == pytest.approx(every[mask].mean().item(),
                                                                   abs=1e-6)
 
 
@@ -542,7 +550,7 @@ def test_without_a_reference_the_loss_reads_its_own_logprobs_as_the_samplers() -
     assert batch.old_logp is None and batch.ref_logp is None
     model.eval()
     with torch.no_grad():
-        written = batch._replace(old_logp=token_logprobs(model, batch.x, batch.y, batch.mask))
+        written = batch._replace(old_logp=token_logprobs(model(batch.x), batch.y, batch.mask))
     grads = []
     for b in (batch, written):
         model.zero_grad()
@@ -563,7 +571,7 @@ def expected_reward(model: GPT, tok: CharTokenizer, ts: list[Task]) -> float:
         ids = torch.tensor([prompt + answer])
         mask = torch.tensor([[False] * len(prompt) + [True] * len(answer)])
         with torch.no_grad():
-            logp = token_logprobs(model.eval(), ids[:, :-1], ids[:, 1:], mask[:, 1:])
+            logp = token_logprobs(model.eval()(ids[:, :-1]), ids[:, 1:], mask[:, 1:])
         chances.append(logp.sum().exp().item())
     return sum(chances) / len(chances)
 
@@ -636,7 +644,7 @@ def test_rejection_sampling_is_one_supervised_step_on_the_right_samples() -> Non
     assert stats.length == 3.0 and stats.grad_norm > 0
     assert stats.answers == 32 and stats.tokens_scored == 0
     assert stats.tokens_trained == stats.kept * batch.x.shape[1]  # the kept rows alone
-    assert stats.entropy == pytest.approx(answer_entropy(twin.eval(), batch.x,
+    assert stats.entropy == pytest.approx(answer_entropy(twin.eval()(batch.x),
                                                          batch.mask).item(), abs=1e-6)
     twin_opt = configure_optimizer(twin, lr=1e-3, weight_decay=0.0)
     result = train_step(twin, twin_opt, [Batch(batch.x[keep], batch.y[keep], batch.mask[keep])],

@@ -22,7 +22,7 @@ import platform
 import shutil
 import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,10 +52,12 @@ def inputs(root: Path = ROOT) -> list[Path]:
     return sorted(package + data + [p for p in fixed if p.exists()])
 
 
-def files_digest(root: Path = ROOT) -> str:
-    """The sha256 of `inputs`, the package's code by its code alone."""
+def files_digest(root: Path = ROOT, paths: Sequence[Path] | None = None) -> str:
+    """The sha256 of ``paths`` under ``root`` (default: `inputs`), each file by its name
+    under ``root`` and its content: the package's Python and C++ (under src/) by their code
+    alone, every other file byte for byte."""
     digest = hashlib.sha256()
-    for path in inputs(root):
+    for path in inputs(root) if paths is None else paths:
         name = path.relative_to(root).as_posix()
         code = path.suffix in {".py", ".cpp"} and name.startswith("src/")
         data = code_text(path).encode("utf-8") if code else path.read_bytes()

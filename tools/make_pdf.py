@@ -33,7 +33,6 @@ import argparse
 import base64
 import ctypes
 import functools
-import hashlib
 import http.server
 import json
 import os
@@ -420,16 +419,14 @@ def print_book(page: Path, root: Path) -> tuple[bytes, dict[str, Any]]:
 
 
 def print_key(page: Path) -> str:
-    """The key a print of ``page`` is kept under: every file of its build (byte for byte),
-    this tool, the browser and its driver, and `kept.setting_parts`."""
-    digest = hashlib.sha256()
+    """The key a print of ``page`` is kept under: every file of its build
+    (`kept.files_digest`: byte for byte, as a build holds no package source), this tool,
+    the browser and its driver, and `kept.setting_parts`."""
     built = page.parent
-    for path in sorted(p for p in built.rglob("*") if p.is_file()):
-        name = path.relative_to(built).as_posix()
-        digest.update(f"{name}\0{hashlib.sha256(path.read_bytes()).hexdigest()}\n".encode())
+    files = kept.files_digest(built, sorted(p for p in built.rglob("*") if p.is_file()))
     versions = [subprocess.run([str(tool), "--version"], capture_output=True, text=True,
                                check=True).stdout.strip() for tool in (CHROMIUM, CHROMEDRIVER)]
-    return kept.key({"single page": digest.hexdigest(), "browser": "\n".join(versions),
+    return kept.key({"single page": files, "browser": "\n".join(versions),
                      "tool": Path(__file__).read_text(encoding="utf-8")})
 
 

@@ -31,7 +31,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from minigpt import pretrained
-from minigpt.config import TrainConfig, check_int
+from minigpt.config import GPTConfig, TrainConfig, check_int
 from minigpt.data import split_text
 from minigpt.dpo import DPO_TRAINING, evaluate_dpo, make_pairs, train_dpo
 from minigpt.model import GPT
@@ -111,14 +111,14 @@ def seen_tasks(text: str, n_train: int, n_test: int, *, seed: int,
     return make_tasks(seen, n_train, n_test, seed=seed)
 
 
-def _material(kind: str, parent: ModelInfo, model_config: dict[str, Any],
-              config: TrainConfig, recipe: AssistantRecipe, **more: Any) -> dict[str, Any]:
-    return {"source_sha256": pretrained.source_sha256(ASSISTANT_MODULES), "kind": kind,
-            "parent": parent.key, "model_config": model_config, "train_config": config.model_dump(),
-            "tasks": [recipe.n_train, recipe.n_test, recipe.task_seed],
-            "replay": [recipe.replay, recipe.replay_chars],
-            "conversations": [recipe.context_length, recipe.max_turns, recipe.length_buckets],
-            "threads": recipe.threads, **pretrained.environment()} | more
+def _material(kind: str, parent: ModelInfo, model_config: GPTConfig, config: TrainConfig,
+              recipe: AssistantRecipe, **more: Any) -> dict[str, Any]:
+    return pretrained.model_material(
+        ASSISTANT_MODULES, model_config, kind=kind, parent=parent.key,
+        train_config=config.model_dump(), tasks=[recipe.n_train, recipe.n_test, recipe.task_seed],
+        replay=[recipe.replay, recipe.replay_chars],
+        conversations=[recipe.context_length, recipe.max_turns, recipe.length_buckets],
+        threads=recipe.threads, **more)
 
 
 def _say_training(progress: bool) -> dict[str, Any]:
@@ -135,7 +135,7 @@ def sft_model(seed: int = 0, *, progress: bool = False, recipe: AssistantRecipe 
     chat = with_special_tokens(tokenizer, CHAT_TOKENS)
     config = recipe.sft.model_copy(update={"seed": seed})
     shape = base.config.model_copy(update={"vocab_size": chat.vocab_size,
-                                           "context_length": recipe.context_length}).model_dump()
+                                           "context_length": recipe.context_length})
 
     def build(say: Any, folder: Path) -> Built:
         tasks = assistant_tasks(recipe)
@@ -185,7 +185,7 @@ def dpo_model(*, beta: float | None = None, progress: bool = False,
         metrics = result.metrics | {"beta": recipe.beta, "exact_match": em} | measured
         return result.model, metrics, asdict(result.history)
 
-    material = _material("dpo", sft_info, policy.config.model_dump(), config, recipe,
+    material = _material("dpo", sft_info, policy.config, config, recipe,
                          beta=recipe.beta, pair_seed=recipe.pair_seed)
     model, info = cached_model(material, build, progress=progress)
     return model, chat, info

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from minigpt.config import GPTConfig
-from minigpt.decoding import generate
+from minigpt.decoding import generate_by_length
 from minigpt.model import GPT
 from minigpt.tokenizer import (
     ASSISTANT,
@@ -260,20 +260,12 @@ def greedy_replies(model: GPT, tokenizer: Tokenizer, prompts: Sequence[Sequence[
                    max_new_tokens: int = 32, stop: int | None = None) -> list[str]:
     """Greedy continuations of several prompts (lists of ids), each cut before its first
     ``stop`` token (default: the end of turn) and decoded. Prompts of equal length are
-    decoded together; a continuation stops where the context is full."""
+    decoded together (`minigpt.decoding.generate_by_length`); a continuation stops where
+    the context is full."""
     stop = _chat_ids(tokenizer)[END_OF_TURN] if stop is None else stop
-    T = model.config.context_length
     out: list[str] = [""] * len(prompts)
-    by_length: dict[int, list[int]] = {}
-    for k, p in enumerate(prompts):
-        if not 0 < len(p) < T:
-            raise ValueError(f"prompt {k} has {len(p)} tokens; a prompt needs 1 to {T - 1}, "
-                             f"leaving room for an answer in the context of {T}")
-        by_length.setdefault(len(p), []).append(k)
-    for length, rows in by_length.items():
-        n = min(max_new_tokens, T - length)
-        new = generate(model, [list(prompts[k]) for k in rows], n, greedy=True)[:, length:]
-        for k, seq in zip(rows, new.tolist(), strict=True):
+    for rows, seqs in generate_by_length(model, prompts, max_new_tokens, greedy=True):
+        for k, seq in zip(rows, seqs[:, len(prompts[rows[0]]):].tolist(), strict=True):
             cut = seq.index(stop) if stop in seq else len(seq)
             out[k] = tokenizer.decode(seq[:cut])
     return out

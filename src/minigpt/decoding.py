@@ -6,7 +6,8 @@ and draws the next token, which is appended. The three filters are public
 functions of their own so that the sampling chapter can show and plot each
 one; none of them modifies its input. The prompt and the settings are checked
 once, where they enter (`generate`, `beam_search`); the filters, which run at
-every token, take them as given.
+every token, take them as given. `generate_by_length` continues prompts of
+several lengths, one batch a length.
 
 Both `generate` and `beam_search` keep a key-value cache by default: the
 model reads the prompt once and then only the one new token per step,
@@ -249,6 +250,33 @@ def generate(
                 next_id = torch.multinomial(probs, num_samples=1, generator=generator)
             seq = torch.cat([seq, next_id], dim=1)
     return seq[0] if squeeze else seq
+
+
+def generate_by_length(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                       repeats: int = 1, **sampling: Any) -> list[tuple[list[int], Tensor]]:
+    """Continue prompts of several lengths, those of one length together in one batch.
+
+    Each prompt is read ``repeats`` times and extended by `generate` (``sampling`` goes to
+    it) with ``max_new_tokens`` tokens, or as many as the context leaves: min(N, T - n) for
+    a prompt of n tokens. Returns one pair a length, in the order the lengths first appear
+    (so a seeded generator draws the same tokens on every call): the indices of the prompts
+    of that length, in order, and their rows (repeats k, n + new) on the model's device,
+    row i continuing prompt indices[i // repeats].
+
+    Args:
+        prompts: lists of ids, each of 1 to T - 1 tokens (T the model's context).
+        max_new_tokens: N >= 0. repeats: rows a prompt, >= 1.
+    """
+    T = model.config.context_length
+    by_length: dict[int, list[int]] = {}
+    for k, p in enumerate(prompts):
+        if not 0 < len(p) < T:
+            raise ValueError(f"prompt {k} has {len(p)} tokens; a prompt needs 1 to {T - 1}, "
+                             f"leaving room for an answer in the context of {T}")
+        by_length.setdefault(len(p), []).append(k)
+    return [(ks, generate(model, [list(prompts[k]) for k in ks for _ in range(repeats)],
+                          min(max_new_tokens, T - n), **sampling))
+            for n, ks in by_length.items()]
 
 
 class BeamSearchResult(NamedTuple):

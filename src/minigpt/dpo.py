@@ -41,7 +41,8 @@ from torch import Tensor, nn
 from minigpt.chat import Turn, encode_conversation, greedy_replies, prompt_ids
 from minigpt.config import TrainConfig
 from minigpt.data import ExampleSet
-from minigpt.decoding import eval_mode, generate
+from minigpt.decoding import eval_mode, generate_by_length
+from minigpt.losses import token_logprobs
 from minigpt.model import GPT
 from minigpt.tasks import NUMBERS, Task, line_words
 from minigpt.tokenizer import CHAT_TOKENS, END_OF_TURN, Tokenizer
@@ -219,14 +220,14 @@ def encode_pairs(pairs: Sequence[PreferencePair], tokenizer: Tokenizer,
 # ------------------------------------------------------------------------------- the loss
 
 def sequence_logprobs(model: nn.Module, x: Tensor, y: Tensor, mask: Tensor) -> Tensor:
-    """log p(answer | prompt): the sum of log-probabilities of the targets where ``mask``.
+    """log p(answer | prompt): the sum of log-probabilities of the targets where ``mask``
+    (`minigpt.losses.token_logprobs`).
 
     Args:
         x, y: (N, L) inputs and targets. mask: (N, L) bool, True on the answer's targets.
     Returns: (N,) float32.
     """
-    logp = F.log_softmax(model(x).float(), dim=-1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
-    return torch.where(mask, logp, 0.0).sum(-1)
+    return token_logprobs(model(x), y, mask).sum(-1)
 
 
 def dpo_loss(policy_chosen: Tensor, policy_rejected: Tensor, reference_chosen: Tensor,
@@ -334,17 +335,11 @@ def sampled_kl(policy: GPT, reference: GPT, prompts: Sequence[Sequence[int]], en
     if not prompts:
         raise ValueError("sampled_kl needs at least one prompt")
     gen = torch.Generator(next(policy.parameters()).device).manual_seed(seed)  # draws there
-    T, total = policy.config.context_length, 0.0
-    by_length: dict[int, list[Sequence[int]]] = {}
-    for p in prompts:
-        if not 0 < len(p) < T:
-            raise ValueError(f"a prompt has {len(p)} tokens; it needs 1 to {T - 1} in a "
-                             f"context of {T}")
-        by_length.setdefault(len(p), []).append(p)
+    total = 0.0
     with eval_mode(policy), eval_mode(reference):
-        for n, group in by_length.items():
-            rows = [list(p) for p in group for _ in range(samples)]
-            seqs = generate(policy, rows, min(max_new_tokens, T - n), generator=gen)
+        for rows, seqs in generate_by_length(policy, prompts, max_new_tokens, repeats=samples,
+                                             generator=gen):
+            n = len(prompts[rows[0]])
             logp = F.log_softmax(policy(seqs[:, :-1]).float(), -1)[:, n - 1:]
             logq = F.log_softmax(reference(seqs[:, :-1]).float(), -1)[:, n - 1:]
             kl = (logp.exp() * (logp - logq)).sum(-1)  # (rows, answer positions)

@@ -1,7 +1,8 @@
 """Inside a trained model: what its heads do, read and changed through hooks.
 
 A GPT's residual stream is a sum: the embeddings, then what every head and every MLP adds
-(`residual_parts`). This module reads that stream and the heads' outputs, and replaces them:
+(`residual_parts`). This module reads that stream and the heads' outputs, and replaces them,
+through hooks that are removed when their block is left (`hooked`):
 
 * repeated sequences and the two scores of a head on them: the **induction score**, the
   attention from a token of the second copy to the token after its first occurrence, and
@@ -13,7 +14,7 @@ A GPT's residual stream is a sum: the embeddings, then what every head and every
 * the **logit lens** (`logit_lens`): the residual stream after each block read through the
   final norm and the head; **activation patching** (`patched_logits`, `patching_grid`):
   one position of the stream after one block copied from a clean run into a corrupted one,
-  or one head's output at every position (`head_patching`);
+  or one head's output at every position (`head_patching`, through `ablated`);
 * a head's **circuits** (`circuits`): W_QK = W_Q^T W_K and W_OV = W_O W_V, and how much a
   later head's keys, queries or values read an earlier head's output (`composition`);
   whether its OV circuit, from tokens to logits, **copies** (`full_ov_circuit`,
@@ -26,7 +27,6 @@ A GPT's residual stream is a sum: the embeddings, then what every head and every
 from __future__ import annotations
 
 import copy
-import hashlib
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor
+from torch.utils.hooks import RemovableHandle
 
 from minigpt import pretrained
 from minigpt.attention import attention_mass
@@ -149,13 +150,26 @@ def _head_slice(model: GPT, head: int) -> slice:
 
 
 @contextmanager
+def hooked(hooks: Sequence[RemovableHandle]) -> Iterator[None]:
+    """Inside the block the ``hooks`` (what a module's ``register_forward_hook`` and
+    ``register_forward_pre_hook`` return) run; they are removed on leaving, however the
+    block is left."""
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+@contextmanager
 def ablated(model: GPT, heads: Sequence[Head], means: Tensor | None = None,
             ) -> Iterator[GPT]:
     """Inside the block, each head of ``heads`` writes nothing of its own: its output (the
     d_k values that its layer's output projection reads for it) is replaced by zeros
     (zero-ablation) or, with ``means`` (L, H, d_k) from `head_means`, by its mean output
-    (mean-ablation). Every layer's projection is hooked, whether or not it has a head to
-    ablate; the hooks are removed on leaving."""
+    (mean-ablation). ``means[layer, head]`` may be any values that broadcast to the
+    head's output (B, T, d_k): `head_patching` writes a clean run's. Every layer's
+    projection is hooked, whether or not it has a head to ablate (`hooked`)."""
     def replace(layer: int, _module: Any, inputs: tuple[Tensor, ...]) -> tuple[Tensor]:
         z = inputs[0].clone()
         for where, head in heads:
@@ -163,13 +177,9 @@ def ablated(model: GPT, heads: Sequence[Head], means: Tensor | None = None,
                 z[..., _head_slice(model, head)] = 0.0 if means is None else means[layer, head]
         return (z,)
 
-    hooks = [block.attn.c_proj.register_forward_pre_hook(partial(replace, layer))
-             for layer, block in enumerate(blocks(model))]
-    try:
+    with hooked([block.attn.c_proj.register_forward_pre_hook(partial(replace, layer))
+                 for layer, block in enumerate(blocks(model))]):
         yield model
-    finally:
-        for hook in hooks:
-            hook.remove()
 
 
 @contextmanager
@@ -183,12 +193,9 @@ def recorded_heads(model: GPT) -> Iterator[list[Tensor]]:
         z = inputs[0]
         seen.append(z.detach().view(*z.shape[:-1], H, -1))
 
-    hooks = [block.attn.c_proj.register_forward_pre_hook(record) for block in blocks(model)]
-    try:
+    with hooked([block.attn.c_proj.register_forward_pre_hook(record)
+                 for block in blocks(model)]):
         yield seen
-    finally:
-        for hook in hooks:
-            hook.remove()
 
 
 def head_means(model: GPT, rows: Tensor) -> Tensor:
@@ -214,13 +221,10 @@ def read_ablated(model: GPT, ids: Tensor, heads: Sequence[Head], means: Tensor |
     def record(_module: Any, _inputs: Any, output: Tensor) -> None:
         recorded.append(output.detach())
 
-    hooks = [block.attn.c_attn.register_forward_hook(record) for block in blocks(model)]
-    try:
-        with torch.no_grad(), ablated(model, heads, means):
-            model(ids)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    recording = hooked([block.attn.c_attn.register_forward_hook(record)
+                        for block in blocks(model)])
+    with recording, torch.no_grad(), ablated(model, heads, means):
+        model(ids)
     index = "qkv".index(part)
 
     def splice(layer: int, _module: Any, inputs: tuple[Tensor, ...], output: Tensor) -> Tensor:
@@ -233,13 +237,9 @@ def read_ablated(model: GPT, ids: Tensor, heads: Sequence[Head], means: Tensor |
         parts[index] = torch.split(recorded[layer], sizes, dim=-1)[index]
         return torch.cat(parts, dim=-1)
 
-    hooks = [blocks(model)[layer].attn.c_attn.register_forward_hook(partial(splice, layer))
-             for layer in range(first, len(blocks(model)))]
-    try:
+    with hooked([blocks(model)[layer].attn.c_attn.register_forward_hook(partial(splice, layer))
+                 for layer in range(first, len(blocks(model)))]):
         yield model
-    finally:
-        for hook in hooks:
-            hook.remove()
 
 
 def _sizes(model: GPT, layer: int) -> tuple[int, int, int]:
@@ -316,11 +316,8 @@ def _stream_replaced(model: GPT, after: int, position: int, value: Tensor) -> It
         return x
 
     module = model.drop if after == 0 else blocks(model)[after - 1]
-    hook = module.register_forward_hook(patch)
-    try:
+    with hooked([module.register_forward_hook(patch)]):
         yield
-    finally:
-        hook.remove()
 
 
 def patched_logits(model: GPT, ids: Tensor, clean: Tensor, after: int, position: int,
@@ -359,22 +356,6 @@ def patching_grid(model: GPT, clean_ids: Tensor, corrupt_ids: Tensor, answer: in
             d = preference(patched_logits(model, corrupt_ids, clean, after, position))
             grid[after, position] = ((d - d_corrupt) / (d_clean - d_corrupt)).mean()
     return grid
-
-
-@contextmanager
-def _head_written(model: GPT, layer: int, head: int, value: Tensor) -> Iterator[None]:
-    """Inside the block the ``head`` of ``layer`` outputs ``value`` (B, T, d_k) instead of
-    its own output, at every position (what its layer's output projection reads for it)."""
-    def replace(_module: Any, inputs: tuple[Tensor, ...]) -> tuple[Tensor]:
-        z = inputs[0].clone()
-        z[..., _head_slice(model, head)] = value
-        return (z,)
-
-    hook = blocks(model)[layer].attn.c_proj.register_forward_pre_hook(replace)
-    try:
-        yield
-    finally:
-        hook.remove()
 
 
 def head_patching(model: GPT, clean_ids: Tensor, corrupt_ids: Tensor, answer: int,
@@ -419,10 +400,11 @@ def head_patching(model: GPT, clean_ids: Tensor, corrupt_ids: Tensor, answer: in
     if moved == 0.0:
         raise ValueError("the corruption leaves the mean preference for right over wrong "
                          "unchanged: there is nothing to restore")
+    written = torch.stack(clean).movedim(3, 1)  # (L, H, B, T, d_k): the clean outputs
     grid = torch.empty(len(clean), model.config.n_heads)
-    for layer, z in enumerate(clean):
+    for layer in range(len(clean)):
         for head in range(model.config.n_heads):
-            with torch.no_grad(), _head_written(model, layer, head, z[..., head, :]):
+            with torch.no_grad(), ablated(model, [(layer, head)], written):
                 d = preference(model(corrupt_ids))
             grid[layer, head] = (d - d_corrupt).mean() / moved
     return grid
@@ -650,9 +632,9 @@ def probe_rows(model: GPT, val: Tensor, count: int) -> Tensor:
 
 
 def _train_copier(recipe: CopyRecipe, text: str, say: Any, folder: Path) -> Built:
-    layers = f"{recipe.n_layers} layer" + ("" if recipe.n_layers == 1 else "s")
-    say(f"training a copier once ({layers}, {recipe.steps} steps, "
-        f"repeats in {recipe.repeat_fraction:.0%} of rows); it is cached in {folder}")
+    say(f"training a copier once ({pretrained.plural(recipe.n_layers, 'layer')}, "
+        f"{recipe.steps} steps, repeats in {recipe.repeat_fraction:.0%} of rows); it is "
+        f"cached in {folder}")
     return train_copier(recipe, text)
 
 
@@ -733,11 +715,9 @@ def copier(recipe: CopyRecipe, *, progress: bool = False, cache: Path | None = N
     once and cached (the key covers the recipe, the corpus, PyTorch and `COPIER_MODULES`)."""
     text = pretrained.corpus()
     tokenizer = CharTokenizer.from_text(text)
-    material = {"source_sha256": pretrained.source_sha256(COPIER_MODULES),
-                "model_config": recipe.gpt_config(tokenizer.vocab_size).model_dump(),
-                "recipe": recipe.model_dump(),
-                "corpus_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
-                **pretrained.environment()}
+    material = pretrained.model_material(COPIER_MODULES, recipe.gpt_config(tokenizer.vocab_size),
+                                         recipe=recipe.model_dump(),
+                                         corpus_sha256=pretrained.corpus_sha256(text))
     model, info = pretrained.cached_model(material, partial(_train_copier, recipe, text),
                                           progress=progress, cache=cache)
     return model, tokenizer, info

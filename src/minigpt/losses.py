@@ -5,7 +5,9 @@ the targets a mask selects (an assistant's answers in supervised fine-tuning). T
 a model: `estimate_loss` averages the loss over a fixed sample of batches (what the training
 loop logs), `full_loss` scores every token of a split once, and `bits_per_character` turns
 that into a measure two tokenizers can be compared by. The post-training losses live with
-their data: DPO's in `minigpt.dpo`, classification's in `minigpt.classify`.
+their data: DPO's in `minigpt.dpo`, GRPO's in `minigpt.rl`, classification's in
+`minigpt.classify`; the log-probability of each answer token, which DPO and GRPO both
+read, is `token_logprobs`.
 """
 
 from __future__ import annotations
@@ -78,6 +80,20 @@ def masked_lm_loss(logits: Tensor, targets: Tensor, mask: Tensor, *,
     losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
     total = losses.masked_select(mask.flatten()).sum()
     return total if reduction == "sum" else total / mask.sum()
+
+
+def token_logprobs(logits: Tensor, targets: Tensor, mask: Tensor) -> Tensor:
+    """log p(y_t | x_1..x_t) of each target y_t where ``mask``, 0 elsewhere: what DPO's
+    sequence log-probabilities sum (`minigpt.dpo.sequence_logprobs`) and GRPO's loss reads
+    token by token (`minigpt.rl.rollout_loss`).
+
+    Args:
+        logits: (N, L, V) next-token scores. targets: (N, L) token ids.
+        mask: (N, L) bool, True on the answer's targets.
+    Returns: (N, L) float32.
+    """
+    logp = F.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return torch.where(mask, logp, 0.0)
 
 
 @torch.no_grad()

@@ -183,16 +183,25 @@ def corpus() -> str:
 def key_material(recipe: Recipe, text: str) -> dict[str, Any]:
     """Everything that determines the trained weights, as plain JSON-able data."""
     tokenizer = CharTokenizer.from_text(text)
-    return {
-        "source_sha256": source_sha256(TRAINING_MODULES),
-        "model_config": recipe.gpt_config(tokenizer.vocab_size).model_dump(),
-        "train_config": recipe.training.model_dump(),
-        "train_fraction": recipe.train_fraction,
-        "threads": recipe.threads,
-        "corpus_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
-        "tokenizer": tokenizer.to_dict(),
-        **environment(),
-    }
+    return model_material(TRAINING_MODULES, recipe.gpt_config(tokenizer.vocab_size),
+                          train_config=recipe.training.model_dump(),
+                          train_fraction=recipe.train_fraction, threads=recipe.threads,
+                          corpus_sha256=corpus_sha256(text), tokenizer=tokenizer.to_dict())
+
+
+def model_material(modules: tuple[str, ...], config: GPTConfig, **recipe: Any) -> dict[str, Any]:
+    """What a cached model's key is hashed from (`cache_key`), as plain JSON-able data: the
+    code of the package's ``modules`` that train it (`source_sha256`), its ``config``, the
+    ``recipe`` (JSON-able values: its settings, its parent's key, ...) and the `environment`.
+    The book model's (`key_material`), the assistants', the rewards runs' and the copiers'
+    keys are all made here."""
+    return {"source_sha256": source_sha256(modules), "model_config": config.model_dump(),
+            **recipe, **environment()}
+
+
+def corpus_sha256(text: str) -> str:
+    """sha256 of ``text`` in UTF-8: the corpus a model is trained on, in its key."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def source_sha256(modules: tuple[str, ...]) -> str:
@@ -407,8 +416,8 @@ def _train_recipe(recipe: Recipe, text: str, progress: bool, say: Callable[[str]
     train_ids = np.asarray(tokenizer.encode_ordinary(train_text), dtype=np.uint16)
     val_ids = np.asarray(tokenizer.encode_ordinary(val_text), dtype=np.uint16)
     config = recipe.gpt_config(tokenizer.vocab_size)
-    say(f"training a model once ({_count(config.n_layers, 'layer')}, "
-        f"{_count(config.n_heads, 'head')}, D={config.d_model}, "
+    say(f"training a model once ({plural(config.n_layers, 'layer')}, "
+        f"{plural(config.n_heads, 'head')}, D={config.d_model}, "
         f"{recipe.training.max_steps} steps); it is cached in {folder}")
     # The bar only on a terminal: in a log file (a CI runner's) its thousand redraws would
     # bury the few evaluation lines, which are printed either way.
@@ -450,7 +459,8 @@ def weights_bytes(model: torch.nn.Module) -> bytes:
                                    for name, tensor in model.state_dict().items()})
 
 
-def _count(n: int, noun: str) -> str:
+def plural(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless one: "1 layer", "4 heads"."""
     return f"{n} {noun}" + ("" if n == 1 else "s")
 
 

@@ -107,8 +107,11 @@ STEPS: dict[Method, int] = {"grpo": 50, "grpo-kl": 35, "grpo-rhymes-only": 50, "
 #: AdamW's constant rate of each method: of 1e-4, 3e-4 and 1e-3 (GRPO, rejection sampling)
 #: or 3e-4, 6e-4 and 1.2e-3 (SFT), the rate with the best pass@1 on 100 held-out words that
 #: the chapter's evaluation does not read, among those that kept the older families' mean
-#: exact match within 0.03 of the cold start's (`tools/rl_rhymes.py --validation`, seed 0);
-#: GRPO's variants, REINFORCE without a baseline among them, take GRPO's.
+#: exact match within 0.03 of the cold start's; GRPO's variants, REINFORCE without a
+#: baseline among them, take GRPO's. The chapter prints that sweep from
+#: book/data/rewards_sweep.jsonl, one row a run of seed 0 (about two minutes each), the
+#: cold start's first: ``python -m minigpt rl --threads 1 --validation --json
+#: book/data/rewards_sweep.jsonl --method METHOD [--lr RATE]``.
 LR: dict[Method, float] = {"grpo": 3e-4, "grpo-kl": 3e-4, "grpo-rhymes-only": 3e-4,
                            "reinforce": 3e-4, "rft": 3e-4, "sft-random": 6e-4,
                            "sft-frequent": 6e-4, "grpo-leaky": 3e-4, "grpo-coin": 3e-4}
@@ -212,13 +215,13 @@ def rewards_data(recipe: RewardsRecipe = REWARDS_RECIPE) -> RewardsData:
 
 def coin(generator: torch.Generator) -> Reward:
     """A reward that ignores what a rhymes answer says: a fair coin, drawn with
-    ``generator``; the older families' answers are scored by exact match."""
+    ``generator``; the older families' answers are scored by exact match
+    (`minigpt.rl.score`)."""
 
     def reward(answers: Sequence[str], tasks: Sequence[Task]) -> torch.Tensor:
         coins = torch.randint(0, 2, (len(answers),), generator=generator).float()
-        exact = torch.tensor([float(a == t.answer) for a, t in zip(answers, tasks, strict=True)])
         rhymes = torch.tensor([t.family == FAMILY for t in tasks])
-        return torch.where(rhymes, coins, exact)
+        return torch.where(rhymes, coins, score(answers, tasks))
 
     return reward
 
@@ -341,9 +344,9 @@ def evaluate_run(model: GPT, start: GPT, tokenizer: Tokenizer, data: RewardsData
 
 def _material(kind_: str, parent: ModelInfo, model: GPT, recipe: RewardsRecipe,
               **more: Any) -> dict[str, Any]:
-    return {"source_sha256": pretrained.source_sha256(REWARDS_MODULES), "kind": kind_,
-            "parent": parent.key, "model_config": model.config.model_dump(),
-            "recipe": recipe.model_dump(mode="json"), **pretrained.environment()} | more
+    return pretrained.model_material(REWARDS_MODULES, model.config, kind=kind_,
+                                     parent=parent.key, recipe=recipe.model_dump(mode="json"),
+                                     **more)
 
 
 #: The older families with the least room (``sft-0``'s lowest exact match), and how their

@@ -43,6 +43,7 @@ from minigpt.config import check_int, check_positive
 from minigpt.data import split_text
 from minigpt.model import GPT
 from minigpt.optim import configure_optimizer
+from minigpt.rl import Reward, score
 from minigpt.sft import encode_tasks
 from minigpt.tasks import Task, TaskSplit, check_split
 from minigpt.tokenizer import Tokenizer
@@ -54,8 +55,6 @@ RHYME_LETTERS = 3
 Teacher = Literal["random", "frequent"]
 #: A checker: is ``answer`` right for ``task``?
 Checker = Callable[[str, Task], bool]
-#: Rewards (N,) float32 of N answers, one per task (`minigpt.rl.score`'s signature).
-Score = Callable[[Sequence[str], Sequence[Task]], Tensor]
 
 _PIECE = re.compile(r"[\s-]+")  # a hyphen joins two words: "self-same" is "self", "same"
 # A piece is a word if it is letters once the punctuation at its edges is gone; an
@@ -266,20 +265,23 @@ def checker(vocab: Vocabulary | None) -> Checker:
     return partial(is_right, vocab=vocab)
 
 
-def scorer(check: Checker) -> Score:
+def scorer(check: Checker) -> Reward:
     """The rewards of answers to tasks, as `minigpt.rl.score` gives them: (N,) float32, 1
     for a right answer and 0 for a wrong one. A rhymes task's answer is judged by
-    ``check``; any other family's by exact match, as `minigpt.rl.score` does, so that
-    one batch may mix rhymes with the older families."""
+    ``check``; any other family's by exact match (`minigpt.rl.score`), so that one batch
+    may mix rhymes with the older families."""
 
-    def score(answers: Sequence[str], tasks: Sequence[Task]) -> Tensor:
+    def reward(answers: Sequence[str], tasks: Sequence[Task]) -> Tensor:
         if len(answers) != len(tasks):
             raise ValueError(f"{len(answers)} answers for {len(tasks)} tasks: give one "
                              "answer per task")
-        return torch.tensor([float(check(a, t) if t.family == FAMILY else a == t.answer)
-                             for a, t in zip(answers, tasks, strict=True)])
+        rhymes = [t.family == FAMILY for t in tasks]
+        checked = torch.tensor([float(r and check(a, t))
+                                for a, t, r in zip(answers, tasks, rhymes, strict=True)])
+        return torch.where(torch.tensor(rhymes, dtype=torch.bool), checked,
+                           score(answers, tasks))
 
-    return score
+    return reward
 
 
 # ------------------------------------------------------------------ supervised steps

@@ -41,8 +41,8 @@ from torch import Tensor, nn
 from minigpt.chat import prompt_ids
 from minigpt.config import check_int, check_positive
 from minigpt.data import Batch
-from minigpt.decoding import eval_mode, generate
-from minigpt.losses import SINGLE
+from minigpt.decoding import eval_mode, generate_by_length
+from minigpt.losses import SINGLE, token_logprobs
 from minigpt.model import GPT
 from minigpt.optim import Optimizer
 from minigpt.parallel import DistContext, mean_over_ranks
@@ -126,17 +126,6 @@ def group_advantages(rewards: Tensor, *, scale: Scale = "std", baseline: Baselin
 
 
 # ------------------------------------------------------------------------------ the loss
-
-def token_logprobs(model: nn.Module, x: Tensor, y: Tensor, mask: Tensor) -> Tensor:
-    """log pi(y_t | x_1..x_t) of each target where ``mask``, 0 elsewhere.
-
-    Args:
-        x, y: (N, L) inputs and targets. mask: (N, L) bool, True on the answer's targets.
-    Returns: (N, L) float32; its sum over L is `minigpt.dpo.sequence_logprobs`.
-    """
-    logp = F.log_softmax(model(x).float(), dim=-1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
-    return torch.where(mask, logp, 0.0)
-
 
 def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: KLKind = "k3") -> Tensor:
     """A per-token estimate of KL(pi || pi_ref) from tokens sampled from pi.
@@ -238,26 +227,20 @@ def rollouts(model: GPT, tokenizer: Tokenizer, prompts: Sequence[Sequence[int]],
     """Sample ``group_size`` answers to each prompt from ``model`` (`minigpt.generate`, with
     its key-value cache; ``temperature`` 0 is greedy, and checked there).
 
-    The answers to prompts of one length are decoded together in one batch. Each answer
+    The answers to prompts of one length are decoded together in one batch
+    (`minigpt.decoding.generate_by_length`). Each answer
     ends at its first ``end_id`` (default: the end-of-turn token), after
     ``max_new_tokens`` tokens, or where the context is full. ``generator`` must live on the
     model's device (the draws happen there); seeded, it makes the rollouts reproducible.
     The model is in eval mode for the call. Returns `Rollouts` on the model's device.
     The arguments are trusted (`grpo_batch` checks what a person gives).
     """
-    T = model.config.context_length
     end = tokenizer.special_tokens[END_OF_TURN] if end_id is None else end_id
     assert prompts and group_size >= 1 and 0 <= end < model.config.vocab_size
-    by_length: dict[int, list[int]] = {}
-    for k, p in enumerate(prompts):
-        assert 0 < len(p) < T, "a prompt leaves room for an answer in the context"
-        by_length.setdefault(len(p), []).append(k)
     G = group_size
     seqs: list[list[int]] = [[] for _ in range(len(prompts) * G)]
-    for length, ks in by_length.items():
-        rows = [list(prompts[k]) for k in ks for _ in range(G)]
-        new = generate(model, rows, min(max_new_tokens, T - length), temperature=temperature,
-                       generator=generator)
+    for ks, new in generate_by_length(model, prompts, max_new_tokens, repeats=G,
+                                      temperature=temperature, generator=generator):
         for i, seq in enumerate(new.tolist()):  # row i is answer i % G to prompt ks[i // G]
             seqs[ks[i // G] * G + i % G] = seq
     L = max(map(len, seqs))
@@ -373,8 +356,8 @@ def grpo_batch(policy: GPT, tokenizer: Tokenizer, tasks: Sequence[Task],
     old_logp = ref_logp = None
     if reference is not None:  # the KL to it needs both the sampler's and its own
         with torch.no_grad(), eval_mode(policy), eval_mode(reference):
-            old_logp = token_logprobs(policy, x, y, mask)
-            ref_logp = token_logprobs(reference, x, y, mask)
+            old_logp = token_logprobs(policy(x), y, mask)
+            ref_logp = token_logprobs(reference(x), y, mask)
     return RolloutBatch(x, y, mask, advantages, old_logp, ref_logp), rewards
 
 
@@ -390,9 +373,15 @@ def _question_prompts(tasks: Sequence[Task], tokenizer: Tokenizer, T: int) -> li
     return prompts
 
 
-def rollout_loss(model: nn.Module, batch: RolloutBatch, *, settings: GRPOSettings) -> Tensor:
-    """`grpo_loss` of a `RolloutBatch` under ``model`` (a `minigpt.losses.LossFn`)."""
-    logp = token_logprobs(model, batch.x, batch.y, batch.mask)
+def rollout_loss(model: nn.Module, batch: RolloutBatch, *, settings: GRPOSettings,
+                 entropies: list[Tensor] | None = None) -> Tensor:
+    """`grpo_loss` of a `RolloutBatch` under ``model`` (a `minigpt.losses.LossFn`). Given a
+    list ``entropies``, it appends the `answer_entropy` of the same forward pass: a step
+    measures the policy without a pass of its own."""
+    logits = model(batch.x)
+    if entropies is not None:
+        entropies.append(answer_entropy(logits, batch.mask))
+    logp = token_logprobs(logits, batch.y, batch.mask)
     old_logp = logp.detach() if batch.old_logp is None else batch.old_logp
     return grpo_loss(logp, old_logp, batch.advantages, batch.mask, clip=settings.clip,
                      ref_logp=batch.ref_logp, kl_coef=settings.kl_coef,
@@ -400,15 +389,16 @@ def rollout_loss(model: nn.Module, batch: RolloutBatch, *, settings: GRPOSetting
 
 
 @torch.no_grad()
-def answer_entropy(model: nn.Module, x: Tensor, mask: Tensor) -> Tensor:
-    """The mean entropy, in nats, of the model's next-token distribution where ``mask``:
+def answer_entropy(logits: Tensor, mask: Tensor) -> Tensor:
+    """The mean entropy, in nats, of a model's next-token distributions where ``mask``:
     a scalar, the mean over the masked positions (the answers' tokens) of
-    -sum_v pi(v) log pi(v). A run whose entropy falls towards 0 samples one answer.
+    -sum_v pi(v) log pi(v), without a gradient. A run whose entropy falls towards 0
+    samples one answer.
 
     Args:
-        model: a GPT, in the mode it should run in. x: (N, L) inputs. mask: (N, L) bool.
+        logits: (N, L, V) the model's next-token scores. mask: (N, L) bool.
     """
-    logp = F.log_softmax(model(x).float(), dim=-1)
+    logp = F.log_softmax(logits.float(), dim=-1)
     return -(logp.exp() * logp).sum(dim=-1)[mask].mean()
 
 
@@ -432,13 +422,13 @@ class GRPOStats:
         kl: the KL estimate k3 of the policy that sampled to the reference, summed over
             each answer's tokens, in nats per answer; None without a reference.
         length: the mean number of tokens an answer has (its end token included).
-        entropy: `answer_entropy` of the policy that sampled, over the answers' tokens.
+        entropy: `answer_entropy` of the policy that sampled, over the answers' tokens
+            (read off the loss's forward pass, before the step).
         grad_norm: the gradient's norm before clipping.
         answers: answers sampled. tokens_sampled: positions the sampler's forward passes
             read (`sampled_positions`). tokens_trained: positions the loss's forward and
             backward passes read. tokens_scored: positions read by forward passes without
-            a gradient (the sampler's and the reference's log-probabilities of the KL; the
-            entropy, a measurement, is not counted).
+            a gradient (the sampler's and the reference's log-probabilities of the KL).
     """
 
     reward: float
@@ -481,13 +471,14 @@ def grpo_step(policy: GPT, optimizer: Optimizer, tokenizer: Tokenizer, tasks: Se
     if settings.kl_coef > 0 and reference is None:
         raise ValueError("settings.kl_coef > 0 penalises the KL to a reference: give the "
                          "reference model")
+    entropies: list[Tensor] = []
     with eval_mode(policy):
         batch, rewards = grpo_batch(policy, tokenizer, tasks, settings, generator=generator,
                                     reference=reference, reward=reward)
-        entropy = answer_entropy(policy, batch.x, batch.mask)
         result = train_step(policy if trainee is None else trainee, optimizer, [batch],
                             grad_clip=settings.grad_clip,
-                            loss_fn=partial(rollout_loss, settings=settings))
+                            loss_fn=partial(rollout_loss, settings=settings, entropies=entropies))
+    (entropy,) = entropies
     kl = torch.zeros((), device=rewards.device)
     if batch.old_logp is not None and batch.ref_logp is not None:
         per_token = kl_estimate(batch.old_logp, batch.ref_logp, "k3")
@@ -520,7 +511,9 @@ class RFTStats:
         loss: the masked cross-entropy of the kept answers before the step, in nats per
             token; nan when none was kept (and no step was taken).
         length: the mean number of tokens an answer has (its end token included).
-        entropy: `answer_entropy` of the policy that sampled, over all the answers' tokens.
+        entropy: `answer_entropy` of the policy that sampled, over all the answers' tokens
+            (a forward pass of its own, which no count holds: the step trains on the kept
+            rows alone).
         grad_norm: the gradient's norm before clipping (0 without a step).
         answers, tokens_sampled, tokens_trained, tokens_scored: as `GRPOStats`' (the kept
             answers' rows are trained; nothing is scored without a gradient).
@@ -562,8 +555,8 @@ def rft_step(policy: GPT, optimizer: Optimizer, tokenizer: Tokenizer, tasks: Seq
     """
     batch, rewards = grpo_batch(policy, tokenizer, tasks, settings, generator=generator,
                                 reward=reward)
-    with eval_mode(policy):
-        entropy = answer_entropy(policy, batch.x, batch.mask).item()
+    with torch.no_grad(), eval_mode(policy):  # only the kept answers are trained on
+        entropy = answer_entropy(policy(batch.x), batch.mask).item()
     keep = rewards.flatten() > 0
     kept = int(keep.sum())
     loss, grad_norm = math.nan, 0.0
