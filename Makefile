@@ -48,7 +48,7 @@ $(STAMP): requirements.txt pyproject.toml
 # what it loads on demand (TeX extensions, the menu, the accessibility tools and
 # their speech-rule engine) and the woff-v2 fonts: those are copied to _mathjax/,
 # which Sphinx copies to _build/html/_static/ (see html_static_path in _config.yml).
-# The interactive figures (minigpt.charts.interactive_chart) are drawn by vega, vega-lite and
+# The interactive figures (minigpt.figures.charts.interactive_chart) are drawn by vega, vega-lite and
 # vega-embed, pinned in package-lock.json: their three minified bundles (830 kB, 280 kB
 # gzipped) go to _vega/vega/ and from there to _build/html/_static/vega/, loaded only by
 # pages that show such a figure (_ext/minigpt_site.py).
@@ -100,7 +100,7 @@ assets: $(STAMP)
 # modern model, a DPO run for `sft-0`, a rewards run for `rl-cold`, if another lane is still
 # training it).
 NPROC := $(shell nproc 2>/dev/null || echo 2)
-# The rewards chapter's runs (minigpt.rewards) continue rl-cold, which continues sft-0.
+# The rewards chapter's runs (minigpt.recipes.rewards) continue rl-cold, which continues sft-0.
 GRPO_RUNS := rl-grpo-0 rl-grpo-1 rl-grpo-2 rl-grpo-kl-0 rl-grpo-rhymes-only-0 rl-grpo-leaky-0
 RFT_RUNS := rl-rft-0 rl-rft-1 rl-rft-2
 SFT_RUNS := rl-sft-random-0 rl-sft-random-1 rl-sft-random-2 \
@@ -129,7 +129,7 @@ book-model: assets
 
 setup: $(STAMP) $(NPM_STAMP) assets book-model
 
-# The playground's models (minigpt.export): the book model, the modern model and the assistant
+# The playground's models (minigpt.recipes.export): the book model, the modern model and the assistant
 # sft-0 exported to ONNX from the cache, each checked with onnxruntime against PyTorch on
 # held-out text, into _playground/playground/ (with playground.json), which Sphinx copies to
 # _build/html/_static/playground/. Made by every `make book` (tools/playground.py), or copied
@@ -174,7 +174,7 @@ CHAPTER_JOBS ?= 2
 # A successful build leaves the stamp _build/.built, which `make pdf` compares with what the
 # site is made from.
 BOOK_STAMP := _build/.built
-BOOK_SOURCES := $(wildcard book/*.md src/minigpt/*.py _ext/*.py _ext/static/* _theme/*) \
+BOOK_SOURCES := $(wildcard book/*.md src/minigpt/*.py src/minigpt/*/*.py _ext/*.py _ext/static/* _theme/*) \
 	_config.yml _toc.yml references.bib requirements.txt package-lock.json \
 	tools/execute_chapters.py
 book: playground

@@ -16,7 +16,7 @@
    stay off paper, code wraps instead of being cut, solutions print open.
 4. Accessibility fixes for what axe-core finds in the markup our tools write
    (static/minigpt-a11y.css and fix_markup below; tests/book/test_site.py runs axe).
-5. The interactive figures (`minigpt.charts.interactive_chart`): a page that shows one
+5. The interactive figures (`minigpt.figures.charts.interactive_chart`): a page that shows one
    loads vega, vega-lite and vega-embed (copied from npm to _static/vega/ by the
    Makefile) and static/minigpt-charts.js, which draws them; other pages load none of it.
 6. The playground (a raw ``<div class="minigpt-playground">`` in a chapter): a page that
@@ -76,7 +76,7 @@ def add_static_files(app: Sphinx, config: Config) -> None:
 # vega-lite, and minigpt-charts.js needs all three.
 CHART_SCRIPTS = ("vega/vega.min.js", "vega/vega-lite.min.js", "vega/vega-embed.min.js",
                  "minigpt-charts.js")
-CHART_MARKER = 'class="minigpt-chart"'  # the container minigpt.charts.interactive_chart writes
+CHART_MARKER = 'class="minigpt-chart"'  # the container minigpt.figures.charts.interactive_chart writes
 
 
 def add_chart_scripts(app: Sphinx, pagename: str, templatename: str,

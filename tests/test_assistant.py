@@ -9,19 +9,19 @@ import numpy as np
 import pytest
 import torch
 
-from minigpt import pretrained
-from minigpt.assistant import (
+from minigpt.cli import main
+from minigpt.config import TrainConfig
+from minigpt.data import split_text
+from minigpt.posttrain.chat import Turn, reply
+from minigpt.posttrain.tasks import source_lines
+from minigpt.recipes import pretrained
+from minigpt.recipes.assistant import (
     AssistantRecipe,
     assistant_tasks,
     dpo_model,
     sft_model,
 )
-from minigpt.chat import Turn, reply
-from minigpt.cli import main
-from minigpt.config import TrainConfig
-from minigpt.data import split_text
-from minigpt.pretrained import MANIFEST_NAME, Recipe
-from minigpt.tasks import source_lines
+from minigpt.recipes.pretrained import MANIFEST_NAME, Recipe
 
 WORDS = ["fair", "moon", "night", "love", "sweet", "lord", "good", "king", "heart", "death",
          "speak", "gentle", "noble", "time", "sir", "come"]

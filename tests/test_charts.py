@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from minigpt import charts
+from minigpt.figures import charts
 from minigpt.nn import sinusoidal_encoding
 
 

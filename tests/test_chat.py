@@ -1,4 +1,5 @@
-"""minigpt.chat: the chat format (render/parse, ids and mask), the model's new tokens, and a
+"""minigpt.posttrain.chat: the chat format (render/parse, ids and mask), the model's new tokens,
+and a
 conversation kept within the context."""
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from minigpt.bpe import train_bpe
-from minigpt.chat import (
+from minigpt.config import GPTConfig
+from minigpt.model import GPT
+from minigpt.posttrain.chat import (
     ChatFormatError,
     Turn,
     add_chat_tokens,
@@ -29,8 +32,6 @@ from minigpt.chat import (
     render,
     reply,
 )
-from minigpt.config import GPTConfig
-from minigpt.model import GPT
 from minigpt.tokenizer import (
     ASSISTANT,
     CHAT_TOKENS,
@@ -207,13 +208,13 @@ def test_fit_context_drops_the_oldest_turns_and_starts_with_the_user() -> None:
 
 
 def test_answer_turn_is_cut_before_any_chat_token(monkeypatch: pytest.MonkeyPatch) -> None:
-    import minigpt.chat
+    import minigpt.posttrain.chat
 
     torch.manual_seed(0)
     model = GPT(GPTConfig.debug(vocab_size=CHAR.vocab_size, context_length=16))
     turn = answer_turn(model, CHAR, [Turn("user", "abc")], max_new_tokens=4)
     assert turn.role == "assistant" and len(turn.text) <= 4
-    monkeypatch.setattr(minigpt.chat, "reply", lambda *args, **kwargs: f"hi{USER}more")
+    monkeypatch.setattr(minigpt.posttrain.chat, "reply", lambda *args, **kwargs: f"hi{USER}more")
     assert answer_turn(model, CHAR, [Turn("user", "abc")]) == Turn("assistant", "hi")
 
 

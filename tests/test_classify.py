@@ -1,4 +1,5 @@
-"""minigpt.classify: GPT-1's classification head on a pretrained GPT, and the word task."""
+"""minigpt.posttrain.classify: GPT-1's classification head on a pretrained GPT, and the word
+task."""
 
 from __future__ import annotations
 
@@ -10,7 +11,12 @@ import torch
 import torch.nn.functional as F
 
 from minigpt import GPT, GPTConfig
-from minigpt.classify import GPTClassifier, classification_loss, pad_batch, scrambled_words
+from minigpt.posttrain.classify import (
+    GPTClassifier,
+    classification_loss,
+    pad_batch,
+    scrambled_words,
+)
 
 TEXT = ("the quick brown foxes jumped over lazy dogs while seven sleepy otters "
         "watched quietly from riverbanks beneath willows and bright morning clouds "

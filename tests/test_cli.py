@@ -710,7 +710,8 @@ def test_eval_scores_the_tasks_the_assistants_hold_out(
     training split, none of them a question the assistants trained on. Made from the whole
     text instead, a third of the held-out questions of the book's corpus were trained on."""
     import minigpt.cli
-    from minigpt import assistant, data, pretrained
+    from minigpt import data
+    from minigpt.recipes import assistant, pretrained
 
     monkeypatch.setattr(pretrained, "corpus", play)  # a tiny corpus for both
     monkeypatch.setattr(data, "shakespeare_text", play)
@@ -798,7 +799,7 @@ def short_rewards() -> Iterator[None]:
     """What `rl` reads, the rewards recipe and its tasks, with a shorter evaluation (six
     held-out words, four questions of each older family, 500 characters of text), the tasks
     made once for the module."""
-    from minigpt import rewards
+    from minigpt.recipes import rewards
 
     recipe = rewards.REWARDS_RECIPE.model_copy(update={
         "eval_words": 6, "eval_samples": 8, "eval_old": 4, "bpc_chars": 500})
@@ -848,7 +849,7 @@ def test_rl_cold_evaluates_the_start_and_validation_other_words(
         capsys: pytest.CaptureFixture[str]) -> None:
     """--method cold evaluates the start without a step (the rate sweep's baseline row);
     --validation evaluates as many held-out words, none of those the chapter evaluates."""
-    from minigpt import rewards
+    from minigpt.recipes import rewards
 
     evaluated: list[list[Any]] = []
     real = rewards.evaluate_run

@@ -7,7 +7,7 @@ matplotlib.use("Agg")  # no display: figures are inspected, never shown
 import matplotlib.pyplot as plt
 
 from minigpt import GPTConfig
-from minigpt.diagram import architecture_diagram
+from minigpt.figures.diagram import architecture_diagram
 
 
 def test_architecture_diagram_names_every_stage_and_fills_in_sizes() -> None:

@@ -15,10 +15,12 @@ import pytest
 import torch
 from hypothesis import given
 
-from minigpt import GPT, GPTConfig, dpo
-from minigpt.chat import add_chat_tokens, greedy_replies, prompt_ids
+from minigpt import GPT, GPTConfig
 from minigpt.config import TrainConfig
-from minigpt.dpo import (
+from minigpt.losses import estimate_loss
+from minigpt.posttrain import dpo
+from minigpt.posttrain.chat import add_chat_tokens, greedy_replies, prompt_ids
+from minigpt.posttrain.dpo import (
     PreferencePair,
     PreferenceSet,
     beta_sweep,
@@ -35,8 +37,7 @@ from minigpt.dpo import (
     sequence_logprobs,
     train_dpo,
 )
-from minigpt.losses import estimate_loss
-from minigpt.tasks import FAMILIES, Task, line_words
+from minigpt.posttrain.tasks import FAMILIES, Task, line_words
 from minigpt.tokenizer import END_OF_TURN, CharTokenizer
 from minigpt.train import train_step
 
@@ -215,7 +216,7 @@ def test_no_gradient_when_both_answers_are_the_same() -> None:
 
 def _pair_sequences(pair: PreferencePair, tok: CharTokenizer, same: bool,
                     ) -> tuple[list[list[int]], list[list[bool]]]:
-    from minigpt.chat import encode_conversation
+    from minigpt.posttrain.chat import encode_conversation
     chosen, rejected = pair.conversations()
     a = encode_conversation(chosen, tok)
     b = a if same else encode_conversation(rejected, tok)
@@ -299,7 +300,7 @@ def test_the_precision_is_set_before_the_reference_scores() -> None:
 
     real_scores = dpo.pair_logprobs
     with mock.patch("minigpt.train.allow_tf32", lambda device: events.append("precision")), \
-            mock.patch("minigpt.dpo.pair_logprobs", scored):
+            mock.patch("minigpt.posttrain.dpo.pair_logprobs", scored):
         train_dpo(model, tok, pairs, pairs, config(2), beta=0.1, progress=False)
     assert events[0] == "precision" and "reference scores" in events
 

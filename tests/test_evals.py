@@ -14,10 +14,10 @@ import pytest
 import torch
 from hypothesis import given
 
-import minigpt.chat
+import minigpt.posttrain.chat
 from minigpt import GPT, GPTConfig
-from minigpt.chat import Turn, add_chat_tokens, fit_context, prompt_ids, reply
-from minigpt.evals import (
+from minigpt.posttrain.chat import Turn, add_chat_tokens, fit_context, prompt_ids, reply
+from minigpt.posttrain.evals import (
     CHANCE,
     Choice,
     CountModel,
@@ -29,7 +29,7 @@ from minigpt.evals import (
     multiple_choice,
     speech_lines,
 )
-from minigpt.tasks import Task, make_tasks
+from minigpt.posttrain.tasks import Task, make_tasks
 from minigpt.tokenizer import CharTokenizer, Tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -186,14 +186,14 @@ def test_turn_one_is_the_single_turn_score_and_later_turns_read_the_earlier_ones
 def test_the_conversation_carries_the_earlier_turns(monkeypatch: pytest.MonkeyPatch) -> None:
     gpt, tok = chat_model(context_length=256)
     fed: list[list[int]] = []
-    greedy = minigpt.chat.greedy_replies
+    greedy = minigpt.posttrain.chat.greedy_replies
 
     def recording(model: GPT, tokenizer: Tokenizer, prompts: list[list[int]],
                   **kwargs: int) -> list[str]:
         fed.extend(map(list, prompts))
         return greedy(model, tokenizer, prompts, **kwargs)
 
-    monkeypatch.setattr(minigpt.chat, "greedy_replies", recording)
+    monkeypatch.setattr(minigpt.posttrain.chat, "greedy_replies", recording)
     result = exact_match_by_turn(gpt, tok, held_out()[:8], n_turns=4, max_new_tokens=4)
     assert result.dropped == (0.0, 0.0, 0.0, 0.0)
     whole = [t for conversation in result.conversations for t in conversation]

@@ -1,4 +1,4 @@
-"""minigpt.export: the playground's ONNX graphs, checked with onnxruntime.
+"""minigpt.recipes.export: the playground's ONNX graphs, checked with onnxruntime.
 
 A small random GPT of each layout is exported here (seconds); the book's three cached models
 are exported and checked by `make playground`, and run in the browser by
@@ -16,7 +16,7 @@ import torch
 
 from minigpt import GPT, GPTConfig
 from minigpt.config import MODERN_LAYOUT
-from minigpt.export import WithCache, check_onnx, empty_cache, export_onnx, main, prompt_ids
+from minigpt.recipes.export import WithCache, check_onnx, empty_cache, export_onnx, main, prompt_ids
 from minigpt.tokenizer import CHAT_TOKENS, CharTokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

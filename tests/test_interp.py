@@ -13,36 +13,37 @@ import torch
 import torch.nn.functional as F
 from pydantic import ValidationError
 
-from minigpt import interp, pretrained
 from minigpt.attention import attention_mass
 from minigpt.config import GPTConfig
-from minigpt.interp import (
-    CopyRecipe,
-    Scores,
-    ablated,
+from minigpt.interp.circuits import (
+    Copying,
     circuits,
     composition,
-    copier,
-    copy_losses,
     copying_scores,
     effective_embedding,
     full_ov_circuit,
-    head_means,
-    head_patching,
+)
+from minigpt.interp.heads import (
+    Scores,
+    copy_losses,
     head_scores,
     induction_keys,
-    logit_lens,
-    patched_logits,
-    patching_grid,
     previous_keys,
-    read_ablated,
     recorded_heads,
     repeated,
-    residual_parts,
-    residual_stream,
-    training_rows,
 )
+from minigpt.interp.interventions import (
+    ablated,
+    head_means,
+    head_patching,
+    patched_logits,
+    patching_grid,
+    read_ablated,
+)
+from minigpt.interp.stream import logit_lens, residual_parts, residual_stream
 from minigpt.model import GPT
+from minigpt.recipes import copiers, pretrained
+from minigpt.recipes.copiers import CopyRecipe, copier, training_rows
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -509,7 +510,7 @@ def test_copying_scores_on_maps_whose_eigenvalues_are_known():
     assert copying_scores(x, x.T).eigen == pytest.approx(1.0)  # x x^T: eigenvalues >= 0
     assert copying_scores(-x, x.T).eigen == pytest.approx(-1.0)
     eye = torch.eye(V)
-    assert copying_scores(eye, eye) == interp.Copying(own_top=1.0, eigen=1.0)
+    assert copying_scores(eye, eye) == Copying(own_top=1.0, eigen=1.0)
     flipped = copying_scores(-eye, eye)  # each token lowers its own logit most
     assert flipped.own_top == 0.0 and flipped.eigen == pytest.approx(-1.0)
     shift = eye.roll(1, dims=0)  # token t raises t + 1: eigenvalues the V-th roots of 1
@@ -556,9 +557,9 @@ def test_a_bad_recipe_is_refused_with_the_reason(overrides, message):
 
 
 def test_the_book_recipes_are_valid():
-    assert set(interp.RECIPES) == set(interp.MODELS)
-    for recipe in interp.RECIPES.values():
-        assert 2 * interp.SHOWN_HALF - 1 <= recipe.context_length
+    assert set(copiers.RECIPES) == set(copiers.MODELS)
+    for recipe in copiers.RECIPES.values():
+        assert 2 * copiers.SHOWN_HALF - 1 <= recipe.context_length
 
 
 def _row_copy(row: torch.Tensor) -> tuple[int, int]:
@@ -629,7 +630,7 @@ def test_a_copier_trains_once_with_snapshots_then_loads(monkeypatch, tmp_path):
     history, metrics = info.manifest["history"], info.metrics
     assert history["step"] == [0, 10, 20]
     assert len(history["loss"]) == TINY.steps
-    shown = 2 * interp.SHOWN_HALF - 1
+    shown = 2 * copiers.SHOWN_HALF - 1
     assert len(history["pattern"]) == 3
     for pattern in history["pattern"]:
         grid = torch.tensor(pattern)
@@ -637,8 +638,8 @@ def test_a_copier_trains_once_with_snapshots_then_loads(monkeypatch, tmp_path):
         assert torch.allclose(grid.sum(-1), torch.ones(shown), atol=5e-3)  # rounded rows
         assert torch.all(grid.triu(1) == 0)  # causal
     assert len(history["pattern_text"]) == shown
-    assert history["pattern_text"][:interp.SHOWN_HALF - 1] == (
-        history["pattern_text"][interp.SHOWN_HALF:])
+    assert history["pattern_text"][:copiers.SHOWN_HALF - 1] == (
+        history["pattern_text"][copiers.SHOWN_HALF:])
     for key in ("induction", "previous"):
         assert len(history[key]) == 3
         assert torch.tensor(history[key]).shape == (3, TINY.n_layers, TINY.n_heads)
@@ -653,7 +654,7 @@ def test_a_copier_trains_once_with_snapshots_then_loads(monkeypatch, tmp_path):
     def refuse(*_args: object) -> None:
         raise AssertionError("the second call must load, not train")
 
-    monkeypatch.setattr(interp, "_train_copier", refuse)
+    monkeypatch.setattr(copiers, "_train_copier", refuse)
     again, _, info2 = copier(TINY, cache=tmp_path)
     assert not info2.built and info2.key == info.key
     first_state, second_state = model.state_dict(), again.state_dict()

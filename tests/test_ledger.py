@@ -1,4 +1,4 @@
-"""minigpt.ledger: a process's CPU time split by what its thread is doing."""
+"""minigpt.recipes.ledger: a process's CPU time split by what its thread is doing."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from minigpt.ledger import KINDS, CPULedger, kind_of
+from minigpt.recipes.ledger import KINDS, CPULedger, kind_of
 
 
 def _module(name: str, source: str) -> dict[str, Any]:
@@ -29,7 +29,7 @@ def test_every_named_function_is_one_of_the_package() -> None:
 def test_the_outermost_named_function_on_the_stack_says_the_kind() -> None:
     decoding = _module("minigpt.decoding", "def generate(inner=None):\n"
                                            "    return inner() if inner else sys._getframe()\n")
-    rl = _module("minigpt.rl", "def evaluate_sampled(inner):\n    return inner()\n")
+    rl = _module("minigpt.posttrain.rl", "def evaluate_sampled(inner):\n    return inner()\n")
     alone: FrameType = decoding["generate"]()
     assert kind_of(alone) == "sampling"
     inside: FrameType = rl["evaluate_sampled"](decoding["generate"])  # sampling to evaluate

@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 
 from minigpt import GPT, GPTConfig
 from minigpt.attention import MultiHeadAttention
-from minigpt.classify import GPTClassifier
 from minigpt.config import MODERN_LAYOUT, TrainConfig
 from minigpt.decoding import beam_search, generate
 from minigpt.nn import FeedForward, RMSNorm, RotaryEmbedding, apply_rope, rope_angles
@@ -29,6 +28,7 @@ from minigpt.optim import (
     set_lr,
     trapezoid_lr_at,
 )
+from minigpt.posttrain.classify import GPTClassifier
 from minigpt.speculative import speculative_generate
 from minigpt.train import train
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from matplotlib.collections import PolyCollection
 
-from minigpt import plots
+from minigpt.figures import plots
 
 
 def _labels(texts):

@@ -13,11 +13,12 @@ import warnings
 import pytest
 import torch
 
-from minigpt import assistant, catalogue, interp, pretrained, products, rewards
+from minigpt import products
 from minigpt.assets import MissingAssetError
 from minigpt.cli import main
 from minigpt.config import TrainConfig
-from minigpt.pretrained import MANIFEST_NAME, WEIGHTS_NAME, Recipe, load_or_build
+from minigpt.recipes import assistant, catalogue, copiers, pretrained, rewards
+from minigpt.recipes.pretrained import MANIFEST_NAME, WEIGHTS_NAME, Recipe, load_or_build
 
 TEXT = (
     "ROMEO:\nBut, soft! what light through yonder window breaks?\n\n"
@@ -260,10 +261,10 @@ def test_the_command_has_help(capsys):
 
 
 @pytest.mark.parametrize(("module", "listed"), [
-    ("minigpt.pretrained", pretrained.TRAINING_MODULES),
-    ("minigpt.assistant", assistant.ASSISTANT_MODULES),
-    ("minigpt.rewards", rewards.REWARDS_MODULES),
-    ("minigpt.interp", interp.COPIER_MODULES),
+    ("minigpt.recipes.pretrained", pretrained.TRAINING_MODULES),
+    ("minigpt.recipes.assistant", assistant.ASSISTANT_MODULES),
+    ("minigpt.recipes.rewards", rewards.REWARDS_MODULES),
+    ("minigpt.recipes.copiers", copiers.COPIER_MODULES),
 ])
 def test_the_cache_key_hashes_every_module_that_trains(module: str,
                                                        listed: tuple[str, ...]) -> None:
@@ -289,10 +290,8 @@ def test_the_cache_key_holds_the_training_source() -> None:
 def test_comments_docstrings_and_blank_lines_are_not_part_of_the_key(tmp_path) -> None:
     # Every module that trains, with prose added (a comment, a docstring line, blank lines,
     # trailing spaces), keeps its code text; a change to what it computes does not.
-    paths = [path for name in assistant.ASSISTANT_MODULES + ("rewards", "rhymes", "rl",
-                                                             "interp")
-             for path in [pretrained.Path(pretrained.__file__).parent / f"{name}.py"]]
-    for path in [*paths, pretrained.Path(pretrained.__file__).parent / "products.cpp"]:
+    names = sorted({*rewards.REWARDS_MODULES, *copiers.COPIER_MODULES})
+    for path in [path for name in names for path in pretrained.module_files(name)]:
         source = path.read_text(encoding="utf-8")
         code = pretrained.code_text(path)
         copy = tmp_path / path.name

@@ -1,7 +1,7 @@
 """Published models: fetched from a site, verified against the stored index, else trained.
 
 A tiny recipe is trained once into a publisher's cache and published into a folder
-(`minigpt.published.publish`), which a local HTTP server serves as it is, tampered with,
+(`minigpt.recipes.published.publish`), which a local HTTP server serves as it is, tampered with,
 cut short, without the file, or not at all; a reader's empty cache then asks for the model.
 """
 
@@ -26,10 +26,10 @@ import pytest
 import torch
 from helpers import ROOT
 
-from minigpt import catalogue, pretrained, published
 from minigpt.config import TrainConfig
 from minigpt.files import cache_dir
-from minigpt.pretrained import MANIFEST_NAME, WEIGHTS_NAME, Recipe, load_or_build
+from minigpt.recipes import catalogue, pretrained, published
+from minigpt.recipes.pretrained import MANIFEST_NAME, WEIGHTS_NAME, Recipe, load_or_build
 
 TEXT = ("ROMEO:\nBut, soft! what light through yonder window breaks?\n\n"
         "JULIET:\nO Romeo, Romeo! wherefore art thou Romeo?\n\n") * 20

@@ -21,7 +21,7 @@ import torch
 from helpers import ROOT, load_baseline_tool
 
 import minigpt
-from minigpt import catalogue, pretrained
+from minigpt.recipes import catalogue, pretrained
 
 KERNEL_VARIABLES = sorted(minigpt.PINNED_CPU_KERNELS)
 LINUX_X86_64 = sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64")

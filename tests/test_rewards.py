@@ -1,4 +1,4 @@
-"""minigpt.rewards: the runs' recipe, the way each method continues a model (on a tiny chat
+"""minigpt.recipes.rewards: the runs' recipe, the way each method continues a model (on a tiny chat
 model and tiny tasks), the evaluation's numbers against their definitions, and the names
 set-up caches the runs under."""
 
@@ -17,10 +17,14 @@ from test_dpo import chat_model
 from test_dpo import tasks as old_tasks
 from test_rhymes import TINY, tiny_rhymes
 
-from minigpt import catalogue, cli, rewards
+from minigpt import cli
 from minigpt.compute import matmul_weights
 from minigpt.model import GPT
-from minigpt.rewards import (
+from minigpt.posttrain.rhymes import FAMILY, SFTSettings, is_right, is_right_leaky, supervised_steps
+from minigpt.posttrain.rl import grpo_step
+from minigpt.posttrain.tasks import Task, TaskSplit
+from minigpt.recipes import catalogue, rewards
+from minigpt.recipes.rewards import (
     METHODS,
     REWARDS_RECIPE,
     RewardsData,
@@ -31,9 +35,6 @@ from minigpt.rewards import (
     kind,
     training_compute,
 )
-from minigpt.rhymes import FAMILY, SFTSettings, is_right, is_right_leaky, supervised_steps
-from minigpt.rl import grpo_step
-from minigpt.tasks import Task, TaskSplit
 from minigpt.tokenizer import Tokenizer
 
 #: A recipe of a few steps a method, evaluated on two samples a word.
@@ -154,7 +155,7 @@ def test_the_compute_of_a_run_is_its_positions_times_the_weights() -> None:
 
 def test_reinforce_takes_the_reward_itself_as_the_advantage() -> None:
     model, tok = started()
-    with mock.patch("minigpt.rewards.grpo_step", wraps=grpo_step) as step:
+    with mock.patch("minigpt.recipes.rewards.grpo_step", wraps=grpo_step) as step:
         continue_training(model, tok, "reinforce", data(), SMALL, seed=0)
     for call in step.call_args_list:
         settings = call.args[4]
@@ -166,7 +167,7 @@ def test_each_grpo_method_asks_its_questions_and_is_rewarded_by_its_checker() ->
     night, terror = tiny_rhymes()[0], tiny_rhymes()[2]
     for method in ("grpo", "grpo-kl", "grpo-rhymes-only", "reinforce", "grpo-leaky",
                    "grpo-coin"):
-        with mock.patch("minigpt.rewards.grpo_step", wraps=grpo_step) as step:
+        with mock.patch("minigpt.recipes.rewards.grpo_step", wraps=grpo_step) as step:
             continue_training(model, tok, method, data(), SMALL, seed=0)  # type: ignore[arg-type]
         for call in step.call_args_list:
             tasks, settings, reward = call.args[3], call.args[4], call.kwargs["reward"]

@@ -1,4 +1,5 @@
-"""minigpt.rhymes: the vocabulary's rules, the split of the asked words, the tasks' answers,
+"""minigpt.posttrain.rhymes: the vocabulary's rules, the split of the asked words, the tasks'
+answers,
 the checker and the leaky checker, the rewards made from either, and the supervised steps
 of the cold start (on a tiny chat model)."""
 
@@ -15,7 +16,7 @@ from test_dpo import chat_model
 from test_dpo import tasks as old_tasks
 
 from minigpt.data import shakespeare_text, split_text
-from minigpt.rhymes import (
+from minigpt.posttrain.rhymes import (
     COLD_START,
     FAMILY,
     SFTSettings,
@@ -35,7 +36,7 @@ from minigpt.rhymes import (
     supervised_steps,
     vocabulary,
 )
-from minigpt.tasks import Task, TaskSplit, check_split
+from minigpt.posttrain.tasks import Task, TaskSplit, check_split
 from minigpt.train import train_step
 
 SPEECHES = """HAMLET:
@@ -280,7 +281,7 @@ def tiny_rhymes() -> list[Task]:
 def test_every_batch_replays_its_share_of_the_older_families() -> None:
     model, tok = chat_model()
     settings = SFTSettings(steps=5, lr=1e-3, batch_size=8, replay_fraction=0.25)
-    with mock.patch("minigpt.rhymes.train_step", wraps=train_step) as step:
+    with mock.patch("minigpt.posttrain.rhymes.train_step", wraps=train_step) as step:
         history = supervised_steps(model, tok, tiny_rhymes(), settings, replay=old_tasks())
     losses = history["loss"]
     assert step.call_count == 5 and len(losses) == 5
@@ -293,7 +294,7 @@ def test_every_batch_replays_its_share_of_the_older_families() -> None:
         assert sum("rhymes with: " in row for row in rows) == 6, rows  # 2 of 8 replayed
         assert loss > 0
     without = SFTSettings(steps=3, lr=1e-3, batch_size=8)
-    with mock.patch("minigpt.rhymes.train_step", wraps=train_step) as step:
+    with mock.patch("minigpt.posttrain.rhymes.train_step", wraps=train_step) as step:
         supervised_steps(model, tok, tiny_rhymes(), without, replay=old_tasks())
     assert all("rhymes with: " in tok.decode(row.tolist())
                for call in step.call_args_list for batch in call.args[2] for row in batch.x)

@@ -21,11 +21,11 @@ from test_dpo import chat_model
 from test_dpo import tasks as all_tasks
 
 from minigpt import GPT
-from minigpt.chat import greedy_replies, prompt_ids
 from minigpt.data import Batch
 from minigpt.losses import token_logprobs
 from minigpt.optim import configure_optimizer
-from minigpt.rl import (
+from minigpt.posttrain.chat import greedy_replies, prompt_ids
+from minigpt.posttrain.rl import (
     EVAL_CHUNK,
     GRPOSettings,
     RolloutBatch,
@@ -44,7 +44,7 @@ from minigpt.rl import (
     score,
     zero_signal_groups,
 )
-from minigpt.tasks import Task, exact_match
+from minigpt.posttrain.tasks import Task, exact_match
 from minigpt.tokenizer import END_OF_TURN, CharTokenizer
 from minigpt.train import train_step
 
@@ -785,7 +785,7 @@ DDP_SCRIPT = textwrap.dedent("""
     sys.path.insert(0, sys.argv[2])
     from test_rl import DDP_LR, DDP_SETTINGS, ddp_tasks, peaked_model
     from minigpt.parallel import init_distributed, shutdown
-    from minigpt.rl import grpo_step
+    from minigpt.posttrain.rl import grpo_step
     from minigpt.train import trainee_of
     torch.set_num_threads(1)
     ctx = init_distributed("cpu")

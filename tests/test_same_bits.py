@@ -47,8 +47,8 @@ import torch
 from helpers import ROOT, load_tool
 
 import minigpt
-from minigpt import pretrained
 from minigpt.files import sha256_file
+from minigpt.recipes import pretrained
 
 pytestmark = [
     pytest.mark.slow,

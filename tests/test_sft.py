@@ -1,5 +1,5 @@
 """Supervised fine-tuning: the masked loss, accumulation weighted by answer tokens, train()
-on an ExampleSet, and minigpt.sft's encoding of the tasks."""
+on an ExampleSet, and minigpt.posttrain.sft's encoding of the tasks."""
 
 from __future__ import annotations
 
@@ -15,13 +15,14 @@ import torch.nn.functional as F
 from test_parallel import run_script_on_ranks
 from torch import Tensor, nn
 
-from minigpt import GPT, GPTConfig, sft
-from minigpt.chat import decode_conversation
+from minigpt import GPT, GPTConfig
 from minigpt.config import TrainConfig
 from minigpt.data import ExampleSet
 from minigpt.losses import estimate_loss, lm_loss, masked_lm_loss
-from minigpt.sft import encode_conversations, encode_tasks, finetune
-from minigpt.tasks import Task, conversations
+from minigpt.posttrain import sft
+from minigpt.posttrain.chat import decode_conversation
+from minigpt.posttrain.sft import encode_conversations, encode_tasks, finetune
+from minigpt.posttrain.tasks import Task, conversations
 from minigpt.tokenizer import CharTokenizer, with_special_tokens
 from minigpt.train import train, train_step
 
@@ -187,7 +188,7 @@ def test_estimate_loss_on_examples_is_the_masked_loss() -> None:
         assert got["val"] == pytest.approx(lm_loss(model, *data.batch([0, 0])).item(), rel=1e-6)
 
 
-# ----- minigpt.sft ------------------------------------------------------------------------------
+# ----- minigpt.posttrain.sft ----------------------------------------------------------------------
 
 def test_tasks_become_masked_conversations() -> None:
     tok = with_special_tokens(CharTokenizer.from_text("abcdefghijklmnopqrstuvwxyz :"))
@@ -265,7 +266,7 @@ def test_finetune_on_conversations_with_a_longer_context(monkeypatch) -> None:
 def test_replayed_text_is_trained_on_with_every_target_counted(monkeypatch) -> None:
     # Imported here: the DDP test's worker processes import this module with whichever
     # minigpt their environment installs.
-    from minigpt.sft import text_windows
+    from minigpt.posttrain.sft import text_windows
 
     tok = CharTokenizer.from_text("abcdefghijklmnopqrstuvwxyz :")
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""minigpt.tasks: verifiable tasks from the corpus, a held-out split, exact match."""
+"""minigpt.posttrain.tasks: verifiable tasks from the corpus, a held-out split, exact match."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from minigpt import GPT, GPTConfig
-from minigpt.chat import add_chat_tokens
 from minigpt.data import shakespeare_text
-from minigpt.tasks import (
+from minigpt.posttrain.chat import add_chat_tokens
+from minigpt.posttrain.tasks import (
     FAMILIES,
     NUMBERS,
     Task,
@@ -124,7 +124,7 @@ def test_exact_match_counts_only_exact_answers(monkeypatch: pytest.MonkeyPatch) 
     tasks = [Task("reverse", "reverse: ab", "ba", "ab"), Task("reverse", "reverse: cd", "dc",
                                                              "cd"),
              Task("upper", "upper: ab", "AB", "ab")]
-    monkeypatch.setattr("minigpt.tasks.greedy_replies",
+    monkeypatch.setattr("minigpt.posttrain.tasks.greedy_replies",
                         lambda *args, **kwargs: ["ba", "dc ", "AB"])
     assert exact_match(model, chat, tasks) == {"reverse": 0.5, "upper": 1.0}
 
@@ -133,7 +133,7 @@ def test_few_shot_scoring_uses_distinct_shots(monkeypatch: pytest.MonkeyPatch) -
     tok = CharTokenizer.from_text("abcdefghijklmnopqrstuvwxyzABC :\n")
     model = GPT(GPTConfig.debug(vocab_size=tok.vocab_size, context_length=64))
     seen: list[str] = []
-    monkeypatch.setattr("minigpt.tasks.greedy_replies", lambda m, t, prompts, **kw: [
+    monkeypatch.setattr("minigpt.posttrain.tasks.greedy_replies", lambda m, t, prompts, **kw: [
         seen.append(t.decode(p)) or "ba" for p in prompts])
     shots = [Task("reverse", "reverse: ab", "ba", "ab")] * 3 + [
         Task("reverse", "reverse: cd", "dc", "cd")]

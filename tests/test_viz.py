@@ -15,8 +15,8 @@ import pytest
 import torch
 from matplotlib.collections import QuadMesh
 
-from minigpt import plots, viz
 from minigpt.attention import causal_mask, scaled_dot_product_attention
+from minigpt.figures import plots, viz
 from minigpt.nn import sinusoidal_encoding
 
 
@@ -271,7 +271,7 @@ import matplotlib
 matplotlib.use("Agg")
 before = dict(matplotlib.rcParams)
 import numpy as np, torch
-from minigpt import plots, viz
+from minigpt.figures import plots, viz
 w = torch.softmax(torch.randn(1, 2, 4, 4), -1)
 viz.attention_heatmap(w, "abcd", annotate=True)
 viz.similarity_heatmap(torch.eye(3))

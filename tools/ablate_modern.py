@@ -38,7 +38,7 @@ from minigpt import GPTConfig
 from minigpt.config import TrainConfig
 from minigpt.data import shakespeare_text, split_text
 from minigpt.losses import full_loss
-from minigpt.pretrained import environment
+from minigpt.recipes.pretrained import environment
 from minigpt.sweep import RunPool, paired_difference
 from minigpt.tokenizer import CharTokenizer
 

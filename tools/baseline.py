@@ -10,7 +10,7 @@ from the chapters.
 
 The stored outputs come with `tests/notebooks/models.json`: for every model
 set-up trains, its cache key, the sha256 and size of its weights and the sha256
-of its record (`minigpt.published`): the chapters print what those models say,
+of its record (`minigpt.recipes.published`): the chapters print what those models say,
 and a published model is fetched only if it is that one. The CPU kernels are
 pinned (`minigpt.PINNED_CPU_KERNELS`), so set-up trains the same bits on every
 x86-64 CPU and a re-baseline on any of them changes nothing.
@@ -49,8 +49,8 @@ from nbclient import NotebookClient
 
 # Importing minigpt pins the CPU kernels (minigpt.PINNED_CPU_KERNELS) in this process's
 # environment, which every kernel it starts inherits.
-from minigpt import published
-from minigpt.catalogue import MODELS
+from minigpt.recipes import published
+from minigpt.recipes.catalogue import MODELS
 
 ROOT = Path(__file__).resolve().parents[1]
 TOC = ROOT / "_toc.yml"
@@ -201,8 +201,8 @@ def baseline(chapter: Path, timeout: int = DEFAULT_TIMEOUT) -> Path:
 
 
 def model_hashes() -> dict[str, dict[str, Any]]:
-    """name -> what a published copy of each model in `minigpt.catalogue.MODELS` must be
-    (`minigpt.published.entry`: its cache key, its weights' sha256 and size, its record's
+    """name -> what a published copy of each model in `minigpt.recipes.catalogue.MODELS` must be
+    (`minigpt.recipes.published.entry`: its cache key, its weights' sha256 and size, its record's
     sha256), read from the cache that set-up filled (each model loaded and verified)."""
     return {name: published.entry(load()[2].path) for name, load in MODELS.items()}
 

@@ -22,10 +22,11 @@ import time
 import numpy as np
 import torch
 
-from minigpt import pretrained, products
-from minigpt.assistant import ASSISTANT_RECIPE
+from minigpt import products
 from minigpt.data import shakespeare_text
 from minigpt.decoding import generate
+from minigpt.recipes import pretrained
+from minigpt.recipes.assistant import ASSISTANT_RECIPE
 from minigpt.tokenizer import CharTokenizer
 from minigpt.train import train
 

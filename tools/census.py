@@ -27,7 +27,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baseline  # noqa: E402  (tools/baseline.py: the repository's root)
 
-from minigpt import catalogue  # noqa: E402
+from minigpt.recipes import catalogue  # noqa: E402
 
 ROOT = baseline.ROOT
 STORED = ROOT / "tests" / "notebooks" / "products.json"

@@ -7,7 +7,7 @@ kept one is used. An empty cache (`make reproduce`) keeps nothing.
 
 A key is the sha256 of the parts its maker names, always with `setting_parts`: the files the
 package's runs read (`files_digest`: the package's Python and C++ by their code alone, as
-`minigpt.pretrained.code_text` reads them for the models' keys, so a comment or a docstring
+`minigpt.recipes.pretrained.code_text` reads them for the models' keys, so a comment or a docstring
 changes no key; every other file byte for byte), the installed distributions, Python, the
 machine, and the environment variables that steer what the kernels compute.
 """
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from minigpt.files import atomic_write, cache_dir
-from minigpt.pretrained import code_text
+from minigpt.recipes.pretrained import code_text
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The prefixes of the environment variables that steer what a process computes: the

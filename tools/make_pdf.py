@@ -182,7 +182,7 @@ const started = Date.now();
 })();
 """
 
-# Resolves once every interactive figure (minigpt.charts.interactive_chart) is drawn, in the
+# Resolves once every interactive figure (minigpt.figures.charts.interactive_chart) is drawn, in the
 # state it opens in (its controls are hidden on paper); returns each figure's id and state.
 _CHARTS_DONE = """
 const done = arguments[arguments.length - 1];

@@ -1,4 +1,5 @@
-"""The playground's export (`minigpt.export`) into a folder, kept between builds: `make book`.
+"""The playground's export (`minigpt.recipes.export`) into a folder, kept between builds: `make
+book`.
 
     .venv/bin/python tools/playground.py OUT [--fresh]
 
@@ -18,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kept  # noqa: E402  (tools/kept.py: what is kept between builds, and its keys)
 
-from minigpt import export  # noqa: E402
+from minigpt.recipes import export  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,14 +2,14 @@
 
     .venv/bin/python tools/publish.py _build/html/models
 
-Each model of `minigpt.catalogue.MODELS` is loaded from the cache set-up filled (and
+Each model of `minigpt.recipes.catalogue.MODELS` is loaded from the cache set-up filled (and
 verified), compared with what `tests/notebooks/models.json` holds for it, and copied into
-the folder (`minigpt.published.publish`): ``<weights sha256>.safetensors``,
+the folder (`minigpt.recipes.published.publish`): ``<weights sha256>.safetensors``,
 ``<record sha256>.json`` and an ``index.json`` of them all. A model that is not the one
 `models.json` holds is not published: the command says which and fails, so a site never
 serves models its chapters were not made with (``--unless-stale``: nor fails). `make book`
 runs it, so the site the workflow publishes carries its models; a reader's set-up then
-fetches from there (`minigpt.published`). Files are hard links into the cache where it can
+fetches from there (`minigpt.recipes.published`). Files are hard links into the cache where it can
 (no second copy), else copies.
 """
 
@@ -20,8 +20,8 @@ import json
 import sys
 from pathlib import Path
 
-from minigpt import published
-from minigpt.catalogue import MODELS
+from minigpt.recipes import published
+from minigpt.recipes.catalogue import MODELS
 
 
 def main(argv: list[str] | None = None) -> int:

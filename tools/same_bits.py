@@ -45,20 +45,21 @@ import torch.nn.functional as F
 # Importing minigpt pins the CPU kernels (minigpt.PINNED_CPU_KERNELS), before torch runs
 # an operation.
 import minigpt.train
-from minigpt import pretrained, products
-from minigpt.assistant import ASSISTANT_RECIPE
+from minigpt import products
 from minigpt.config import GPTConfig
 from minigpt.data import shakespeare_text, split_text
 from minigpt.decoding import generate
-from minigpt.dpo import make_pairs, train_dpo
-from minigpt.interp import RECIPES, train_copier
 from minigpt.model import GPT
 from minigpt.optim import configure_optimizer
-from minigpt.rewards import REWARDS_RECIPE, coin
-from minigpt.rhymes import SFTSettings, Vocabulary, rhymes_tasks, supervised_steps
-from minigpt.rl import grpo_step, rft_step
-from minigpt.sft import finetune, text_windows
-from minigpt.tasks import Task, make_tasks
+from minigpt.posttrain.dpo import make_pairs, train_dpo
+from minigpt.posttrain.rhymes import SFTSettings, Vocabulary, rhymes_tasks, supervised_steps
+from minigpt.posttrain.rl import grpo_step, rft_step
+from minigpt.posttrain.sft import finetune, text_windows
+from minigpt.posttrain.tasks import Task, make_tasks
+from minigpt.recipes import pretrained
+from minigpt.recipes.assistant import ASSISTANT_RECIPE
+from minigpt.recipes.copiers import RECIPES, train_copier
+from minigpt.recipes.rewards import REWARDS_RECIPE, coin
 from minigpt.tokenizer import CharTokenizer, Tokenizer, tokenizer_from_dict
 from minigpt.train import train
 
@@ -141,7 +142,7 @@ def reward_runs(model: GPT, chat: Tokenizer, old: list[Task], steps: int) -> dic
     """``steps`` supervised steps on rhymes, GRPO steps and rejection-sampling steps from
     ``model``, as the rewards chapter's runs take them (their settings, but GRPO's and
     rejection sampling's four answers of at most four tokens to three questions, rewarded by
-    a seeded coin, `minigpt.rewards.coin`: a gradient whatever the tiny run samples, with
+    a seeded coin, `minigpt.recipes.rewards.coin`: a gradient whatever the tiny run samples, with
     this seed groups whose coins differ)."""
     rhymes = rhymes_tasks(["night", "light"], Vocabulary({"night": 3, "light": 3, "might": 3}),
                           teacher="frequent")

@@ -1,12 +1,19 @@
 """minigpt: the GPT that the minigpt book builds, one component at a time.
 
-Data flows one way through the core: `config` -> `tokenizer` -> `data` -> `attention` ->
-`nn` -> `model` -> `decoding` / `losses` -> `optim` -> `train` (`checkpoint`, `parallel`),
-every matrix product summed in one order on every CPU by `products`. The book's cached
-models (`pretrained`, `assistant`, `rewards`, the copiers of `interp`), post-training
-(`chat`, `tasks`, `sft`, `dpo`, `rl`, `rhymes`, `evals`), the inside-the-model tools
-(`interp`) and the figures (`viz`, `plots`, `diagram`, `charts`) import the core, never the
-other way round (the README's "Reading the code").
+The top level is the core, and data flows one way through it: `config` -> `tokenizer` ->
+`data` -> `attention` -> `nn` -> `model` -> `decoding` / `losses` -> `optim` -> `train`
+(`checkpoint`, `parallel`), every matrix product summed in one order on every CPU by
+`products`. Four subpackages are built on the core and import it, never the other way round
+(the README's "Reading the code"):
+
+* `minigpt.posttrain`: after pre-training (`chat`, `tasks`, `sft`, `dpo`, `rl`, `rhymes`,
+  `evals`, `classify`);
+* `minigpt.interp`: inside a trained model (`heads`, `stream`, `interventions`,
+  `circuits`);
+* `minigpt.recipes`: the book's trained models, each made once and cached (`pretrained`,
+  `assistant`, `rewards`, `copiers`), by name (`catalogue`), published (`published`,
+  `export`) and accounted for (`ledger`);
+* `minigpt.figures`: the chapters' figures (`viz`, `plots`, `diagram`, `charts`).
 
 Where an input is checked: a user's input (a config, a prompt, a file, a path, a tensor a
 chapter hands in) is checked where it enters, by the function a chapter, a tool or the

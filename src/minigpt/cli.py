@@ -33,21 +33,23 @@ import torch
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 from tqdm import tqdm
 
-from minigpt import assets, assistant, catalogue, data, evals, parallel, pretrained, rewards
-from minigpt.assistant import ASSISTANT_RECIPE
+from minigpt import assets, data, parallel
 from minigpt.bpe import DEFAULT_BPE_VOCAB_SIZE, get_tokenizer
-from minigpt.chat import chat_loop
 from minigpt.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
 from minigpt.config import GPTConfig, TrainConfig, check_device
-from minigpt.dpo import DPO_TRAINING, make_pairs, train_dpo
-from minigpt.evals import benchmark_table, format_table
 from minigpt.files import atomic_write
-from minigpt.ledger import CPULedger
 from minigpt.model import GPT
-from minigpt.pretrained import ModelInfo
+from minigpt.posttrain import evals
+from minigpt.posttrain.chat import chat_loop
+from minigpt.posttrain.dpo import DPO_TRAINING, make_pairs, train_dpo
+from minigpt.posttrain.evals import benchmark_table, format_table
+from minigpt.posttrain.sft import SFT_TRAINING, finetune
+from minigpt.posttrain.tasks import TaskSplit, exact_match
+from minigpt.recipes import assistant, catalogue, pretrained, rewards
+from minigpt.recipes.assistant import ASSISTANT_RECIPE
+from minigpt.recipes.ledger import CPULedger
+from minigpt.recipes.pretrained import ModelInfo
 from minigpt.sample import SampleSettings, load_model, sample_texts
-from minigpt.sft import SFT_TRAINING, finetune
-from minigpt.tasks import TaskSplit, exact_match
 from minigpt.tokenizer import CHAT_TOKENS, KINDS, Tokenizer
 from minigpt.train import METRICS_NAME, saved_settings, train, with_global_batch, write_metrics
 
@@ -158,8 +160,8 @@ def device(text: str) -> str:
 
 
 def cached_model(text: str) -> str:
-    """A model set-up caches (`minigpt.catalogue.MODELS`), or another name of one
-    (`minigpt.catalogue.ALIASES`), read as the model's own."""
+    """A model set-up caches (`minigpt.recipes.catalogue.MODELS`), or another name of one
+    (`minigpt.recipes.catalogue.ALIASES`), read as the model's own."""
     name = catalogue.ALIASES.get(text, text)
     if name not in catalogue.MODELS:  # the registry as it is when the command runs
         raise argparse.ArgumentTypeError(
@@ -516,7 +518,7 @@ def _text(args: argparse.Namespace) -> str:
 
 def _tasks(args: argparse.Namespace, text: str | None = None) -> TaskSplit:
     """The tasks of ``--text`` (``text``, if read already) made as the assistants' are: from
-    the part of the text a base model trained on (`minigpt.assistant.seen_tasks`)."""
+    the part of the text a base model trained on (`minigpt.recipes.assistant.seen_tasks`)."""
     return assistant.seen_tasks(_text(args) if text is None else text, args.n_train,
                                 args.n_test, seed=args.task_seed)
 
@@ -630,9 +632,9 @@ def add_rl(commands: Commands) -> None:
                    metavar="METHOD", help=f"how to continue: {', '.join(rewards.METHODS)}; "
                    "or cold: not at all, the start evaluated as it is (default: %(default)s)")
     p.add_argument("--steps", type=at_least(1), help="optimiser steps (default: the method's "
-                   "in minigpt.rewards.STEPS)")
+                   "in minigpt.recipes.rewards.STEPS)")
     p.add_argument("--lr", type=positive, help="AdamW's constant rate (default: the method's "
-                   "in minigpt.rewards.LR)")
+                   "in minigpt.recipes.rewards.LR)")
     p.add_argument("--seed", type=at_least(0), default=0,
                    help="questions drawn and answers sampled (default: %(default)s)")
     p.add_argument("--validation", action="store_true", help="evaluate on as many other "

@@ -1,6 +1,6 @@
 """The package's file helpers: where its cache lives, hashing, and writing a file whole.
 
-Set-up's assets (`minigpt.assets`), the cached models (`minigpt.pretrained`), checkpoints
+Set-up's assets (`minigpt.assets`), the cached models (`minigpt.recipes.pretrained`), checkpoints
 (`minigpt.checkpoint`) and the data cache (`minigpt.data`) all write through `atomic_file`,
 so a reader never sees half a file and an interrupted run never leaves one.
 """
@@ -14,6 +14,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
+
+#: The two files of a cached model's folder: its weights (safetensors) and its record.
+WEIGHTS_NAME = "model.safetensors"
+MANIFEST_NAME = "manifest.json"
 
 
 def cache_dir() -> Path:

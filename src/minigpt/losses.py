@@ -5,8 +5,8 @@ the targets a mask selects (an assistant's answers in supervised fine-tuning). T
 a model: `estimate_loss` averages the loss over a fixed sample of batches (what the training
 loop logs), `full_loss` scores every token of a split once, and `bits_per_character` turns
 that into a measure two tokenizers can be compared by. The post-training losses live with
-their data: DPO's in `minigpt.dpo`, GRPO's in `minigpt.rl`, classification's in
-`minigpt.classify`; the log-probability of each answer token, which DPO and GRPO both
+their data: DPO's in `minigpt.posttrain.dpo`, GRPO's in `minigpt.posttrain.rl`, classification's in
+`minigpt.posttrain.classify`; the log-probability of each answer token, which DPO and GRPO both
 read, is `token_logprobs`.
 """
 
@@ -28,7 +28,8 @@ from minigpt.model import GPT
 from minigpt.parallel import DistContext, mean_over_ranks, rank_batch, sum_over_ranks
 from minigpt.tokenizer import Tokenizer
 
-#: A loss other than next-token cross-entropy (e.g. `minigpt.dpo.preference_loss`): the mean
+#: A loss other than next-token cross-entropy (e.g. `minigpt.posttrain.dpo.preference_loss`): the
+#: mean
 #: loss of one micro-batch, given the module to call and the batch its data set draws.
 LossFn = Callable[[nn.Module, Any], Tensor]
 
@@ -84,8 +85,8 @@ def masked_lm_loss(logits: Tensor, targets: Tensor, mask: Tensor, *,
 
 def token_logprobs(logits: Tensor, targets: Tensor, mask: Tensor) -> Tensor:
     """log p(y_t | x_1..x_t) of each target y_t where ``mask``, 0 elsewhere: what DPO's
-    sequence log-probabilities sum (`minigpt.dpo.sequence_logprobs`) and GRPO's loss reads
-    token by token (`minigpt.rl.rollout_loss`).
+    sequence log-probabilities sum (`minigpt.posttrain.dpo.sequence_logprobs`) and GRPO's loss reads
+    token by token (`minigpt.posttrain.rl.rollout_loss`).
 
     Args:
         logits: (N, L, V) next-token scores. targets: (N, L) token ids.

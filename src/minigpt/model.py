@@ -159,7 +159,7 @@ class GPT(nn.Module):
     def hidden_states(self, input_ids: Tensor, *, cache: KVCache | None = None) -> Tensor:
         """input_ids (B, T) -> the final norm's output (B, T, D): what the head reads.
 
-        `forward` without the head, for heads of other tasks (`minigpt.classify`).
+        `forward` without the head, for heads of other tasks (`minigpt.posttrain.classify`).
         """
         x = self.embed(input_ids, past=0 if cache is None else cache.length)
         for i, block in enumerate(self.h):

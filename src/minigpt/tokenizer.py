@@ -33,7 +33,8 @@ from tiktoken_ext.openai_public import r50k_pat_str
 from minigpt.assets import GPT2_TIKTOKEN_SHA256, ChecksumError, gpt2_ranks_path
 
 ENDOFTEXT = "<|endoftext|>"
-#: The chat format's special tokens (`minigpt.chat`): who speaks a turn, and where it ends.
+#: The chat format's special tokens (`minigpt.posttrain.chat`): who speaks a turn, and where it
+#: ends.
 USER = "<|user|>"
 ASSISTANT = "<|assistant|>"
 END_OF_TURN = "<|end|>"

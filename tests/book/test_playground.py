@@ -41,10 +41,10 @@ import numpy as np
 import pytest
 import torch
 
-from minigpt import chat
-from minigpt.assistant import MODELS
 from minigpt.decoding import generate, inverse_cdf, next_token_distribution
-from minigpt.export import EXPORTED, PROMPTS, held_out_contexts, prompt_ids
+from minigpt.posttrain import chat
+from minigpt.recipes.assistant import MODELS
+from minigpt.recipes.export import EXPORTED, PROMPTS, held_out_contexts, prompt_ids
 
 pytestmark = [pytest.mark.book, pytest.mark.browser, pytest.mark.usefixtures("one_thread")]
 

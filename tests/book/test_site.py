@@ -658,7 +658,7 @@ def test_axe_finds_what_it_should(driver: Any) -> None:
 
 
 # --------------------------------------------------------------------------
-# The interactive figures (minigpt.charts.interactive_chart): drawn by the site's own vega,
+# The interactive figures (minigpt.figures.charts.interactive_chart): drawn by the site's own vega,
 # and what they draw for a setting of their controls is what the package computes.
 # --------------------------------------------------------------------------
 
@@ -838,7 +838,7 @@ def test_sampling_sliders_draw_the_package_distribution(driver: Any, base_url: s
 
 
 def _book_model() -> Any:
-    from minigpt.pretrained import book_model
+    from minigpt.recipes.pretrained import book_model
 
     return book_model()
 
@@ -918,7 +918,7 @@ def test_rotation_sliders_land_on_the_encoding(driver: Any, base_url: str) -> No
 
 @pytest.mark.browser
 def test_induction_slider_shows_each_snapshot_of_the_copier(driver: Any, base_url: str) -> None:
-    from minigpt.interp import RECIPES, copier
+    from minigpt.recipes.copiers import RECIPES, copier
 
     history = copier(RECIPES["copy-0"])[2].manifest["history"]
     chart = "induction-explorer"
@@ -947,7 +947,7 @@ def test_training_hover_reads_the_schedule_and_the_losses(driver: Any, base_url:
     from selenium.webdriver.common.action_chains import ActionChains
 
     from minigpt.optim import schedule_lr
-    from minigpt.pretrained import BOOK_RECIPE
+    from minigpt.recipes.pretrained import BOOK_RECIPE
 
     chart = "training-explorer"
     _chart_page(driver, base_url, chart)

@@ -137,9 +137,9 @@ def test_caches_are_keyed_on_requirements_and_source(job: str, command: str) -> 
     assert set(caches) == {"~/.cache/pip", "~/.cache/minigpt"}, caches
     assert "hashFiles('requirements.txt')" in caches["~/.cache/pip"]
     assert "hashFiles('requirements.txt')" in caches["~/.cache/minigpt"]
-    # The models' own keys hash the source that trains them (minigpt.pretrained.
+    # The models' own keys hash the source that trains them (minigpt.recipes.pretrained.
     # source_sha256); keying the saved cache on it too keeps stale models out of it.
-    assert "hashFiles('src/minigpt/*.py')" in caches["~/.cache/minigpt"]
+    assert "hashFiles('src/minigpt/**/*.py')" in caches["~/.cache/minigpt"]
     # The caches are restored before the command that fills them.
     uses = [str(step.get("uses", step.get("run"))) for step in _steps(job)]
     assert max(i for i, u in enumerate(uses) if u.startswith("actions/cache@")) < uses.index(

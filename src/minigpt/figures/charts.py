@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from minigpt.viz import as_float64, display_token
+from minigpt.figures.viz import as_float64, display_token
 
 _CHART_ID = re.compile(r"[a-z][a-z0-9-]*")
 _JSON_IN_HTML = {"<": "\\u003c", ">": "\\u003e", "&": "\\u0026"}
@@ -268,7 +268,7 @@ def induction_explorer(steps: Sequence[int], scores: Any, patterns: Any,
 
     Args:
         steps: the S snapshots' training steps.
-        scores: (S, L, H) induction scores (`minigpt.interp.head_scores`).
+        scores: (S, L, H) induction scores (`minigpt.interp.heads.head_scores`).
         patterns: (S, T, T) the attention weights of ``head`` on the row at each snapshot.
         tokens: the T tokens of the row.
         head: (layer, head) whose attention is shown.

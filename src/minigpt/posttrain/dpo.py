@@ -1,13 +1,13 @@
 """Preference tuning with direct preference optimisation (DPO).
 
 A preference pair is a question with two answers, one better than the other. Here the
-better one is *verifiably* better: the task's right answer (`minigpt.tasks`), against a
+better one is *verifiably* better: the task's right answer (`minigpt.posttrain.tasks`), against a
 near miss that a program can tell is wrong (the line's second word for its first, the word
 unreversed, a letter count off by one, ...; `near_miss`).
 
 DPO trains a policy pi from a frozen reference pi_ref (the fine-tuned model) on the
 sequence log-probabilities of the two answers' tokens (only the answer's tokens count: the
-chat mask of `minigpt.chat.encode_conversation`):
+chat mask of `minigpt.posttrain.chat.encode_conversation`):
 
     loss = -log sigmoid(beta * ((log pi(y_w|x) - log pi_ref(y_w|x))
                                 - (log pi(y_l|x) - log pi_ref(y_l|x))))
@@ -38,13 +38,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from minigpt.chat import Turn, encode_conversation, greedy_replies, prompt_ids
 from minigpt.config import TrainConfig
 from minigpt.data import ExampleSet
 from minigpt.decoding import eval_mode, generate_by_length
 from minigpt.losses import token_logprobs
 from minigpt.model import GPT
-from minigpt.tasks import NUMBERS, Task, line_words
+from minigpt.posttrain.chat import Turn, encode_conversation, greedy_replies, prompt_ids
+from minigpt.posttrain.tasks import NUMBERS, Task, line_words
 from minigpt.tokenizer import CHAT_TOKENS, END_OF_TURN, Tokenizer
 from minigpt.train import TrainResult, train
 

@@ -1,6 +1,7 @@
 """Learning from rewards: reinforcement learning with verifiable rewards (GRPO).
 
-A task's answer can be checked by a program (`minigpt.tasks`), so a model can learn from its
+A task's answer can be checked by a program (`minigpt.posttrain.tasks`), so a model can learn from
+its
 own attempts rather than from answers to imitate. For each question it samples a group of
 G answers (`rollouts`); each is scored 1 if exactly right and 0 if not (`score`); an
 answer's *advantage* is how much better it did than its group's mean (`group_advantages`);
@@ -38,7 +39,6 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor, nn
 
-from minigpt.chat import prompt_ids
 from minigpt.config import check_int, check_positive
 from minigpt.data import Batch
 from minigpt.decoding import eval_mode, generate_by_length
@@ -46,7 +46,8 @@ from minigpt.losses import SINGLE, token_logprobs
 from minigpt.model import GPT
 from minigpt.optim import Optimizer
 from minigpt.parallel import DistContext, mean_over_ranks
-from minigpt.tasks import Task
+from minigpt.posttrain.chat import prompt_ids
+from minigpt.posttrain.tasks import Task
 from minigpt.tokenizer import END_OF_TURN, Tokenizer
 from minigpt.train import train_step
 
@@ -259,7 +260,7 @@ def rollouts(model: GPT, tokenizer: Tokenizer, prompts: Sequence[Sequence[int]],
 def score(answers: Sequence[str], tasks: Sequence[Task]) -> Tensor:
     """The rewards (N,) float32: 1 where answer i is task i's answer exactly, else 0.
 
-    Exact match, the comparison by which `minigpt.tasks.exact_match` scores a model: a
+    Exact match, the comparison by which `minigpt.posttrain.tasks.exact_match` scores a model: a
     verifiable reward, a program's verdict on the answer (as cut before its end token).
     """
     if len(answers) != len(tasks):
@@ -326,7 +327,7 @@ class RolloutBatch(NamedTuple):
 
 
 #: Answers and the tasks they answer -> their rewards (N,) float32: `score` (exact match), or
-#: a checker's verdicts (`minigpt.rhymes.scorer`).
+#: a checker's verdicts (`minigpt.posttrain.rhymes.scorer`).
 Reward = Callable[[Sequence[str], Sequence[Task]], Tensor]
 
 
@@ -620,7 +621,7 @@ def evaluate_sampled(model: GPT, tokenizer: Tokenizer, tasks: Sequence[Task], *,
 
     Each question (in the chat format) is answered greedily once and sampled ``samples``
     times at temperature 1 (`rollouts`, `EVAL_CHUNK` questions at a time); ``reward``
-    (0 or 1 an answer: exact match by default, or a checker's `minigpt.rhymes.scorer`)
+    (0 or 1 an answer: exact match by default, or a checker's `minigpt.posttrain.rhymes.scorer`)
     judges every answer. Seeded, ``generator`` (on the model's device) makes the result
     reproducible. Returns a `SampledEval`.
 

@@ -1,10 +1,11 @@
 """The book's assistants: the modern recipe's model fine-tuned to answer (SFT) and then
 preference-tuned (DPO), each trained once at set-up and cached like the book model
-(`minigpt.pretrained`).
+(`minigpt.recipes.pretrained`).
 
-The base is the modern model (`minigpt.pretrained.MODERN_RECIPE`) because its positions are
+The base is the modern model (`minigpt.recipes.pretrained.MODERN_RECIPE`) because its positions are
 rotary: it has no weights per position, so its fine-tuned copy reads a context of 256
-tokens (`minigpt.chat.extend_context`), four times what it was pre-trained on, which holds a
+tokens (`minigpt.posttrain.chat.extend_context`), four times what it was pre-trained on, which
+holds a
 conversation of several exchanges. GPT-2's learned positions stop at the 64 it trained on.
 
     model, tokenizer, info = sft_model(seed=1)   # one of SFT_SEEDS
@@ -16,7 +17,7 @@ that a chapter can report exact match over several seeds with its spread; they a
 from the same tasks (`assistant_tasks`) and are scored on the same held-out ones. A model's
 manifest keeps what set-up measured: the run's metrics and, under ``"exact_match"``, its
 held-out exact match per task family (for DPO also the preference metrics and the KL to
-its reference, `minigpt.dpo.evaluate_dpo`). The cache key covers the base model's key, the
+its reference, `minigpt.posttrain.dpo.evaluate_dpo`). The cache key covers the base model's key, the
 task and training settings, the thread count and the PyTorch version.
 """
 
@@ -30,20 +31,21 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from minigpt import pretrained
 from minigpt.config import GPTConfig, TrainConfig, check_int
 from minigpt.data import split_text
-from minigpt.dpo import DPO_TRAINING, evaluate_dpo, make_pairs, train_dpo
 from minigpt.model import GPT
-from minigpt.pretrained import Built, ModelInfo, cached_model
-from minigpt.sft import SFT_TRAINING, finetune, text_windows
-from minigpt.tasks import TaskSplit, exact_match, make_tasks
+from minigpt.posttrain.dpo import DPO_TRAINING, evaluate_dpo, make_pairs, train_dpo
+from minigpt.posttrain.sft import SFT_TRAINING, finetune, text_windows
+from minigpt.posttrain.tasks import TaskSplit, exact_match, make_tasks
+from minigpt.recipes import pretrained
+from minigpt.recipes.pretrained import Built, ModelInfo, cached_model
 from minigpt.tokenizer import CHAT_TOKENS, CharTokenizer, with_special_tokens
 
 #: The package's modules that importing this one loads; their source is part of every
 #: assistant's cache key, as `pretrained.TRAINING_MODULES`' is of the base model's.
-ASSISTANT_MODULES = tuple(sorted({*pretrained.TRAINING_MODULES, "assistant", "chat", "dpo",
-                                  "sft", "tasks"}))
+ASSISTANT_MODULES = tuple(sorted({*pretrained.TRAINING_MODULES, "posttrain",
+                                  "posttrain.chat", "posttrain.dpo", "posttrain.sft",
+                                  "posttrain.tasks", "recipes.assistant"}))
 #: The training seeds of the cached fine-tuned models.
 SFT_SEEDS = (0, 1, 2)
 
@@ -55,12 +57,12 @@ class AssistantRecipe(BaseModel):
         base: the recipe of the model they start from (the modern model's).
         context_length: the context the fine-tuned models read (`extend_context`).
         max_turns: fine-tuning's conversations hold 1 to this many questions
-            (`minigpt.tasks.conversations`).
+            (`minigpt.posttrain.tasks.conversations`).
         n_train, n_test: tasks of each family for training and held out (`make_tasks`).
         task_seed: the seed of the tasks and their split.
         sft: fine-tuning's settings (its seed is replaced by each model's).
         replay, replay_chars: windows of the base model's training text, and their length,
-            mixed into fine-tuning (`minigpt.sft.finetune`'s ``replay``): without them the
+            mixed into fine-tuning (`minigpt.posttrain.sft.finetune`'s ``replay``): without them the
             fine-tuned model forgets how to continue text (the assistant chapter's
             exercise 5 measures it after 100 steps: 3.6 bits per character on held-out
             text without them, 2.7 with them, against the base model's 2.3).
@@ -129,7 +131,7 @@ def _say_training(progress: bool) -> dict[str, Any]:
 def sft_model(seed: int = 0, *, progress: bool = False, recipe: AssistantRecipe =
               ASSISTANT_RECIPE) -> tuple[GPT, CharTokenizer, ModelInfo]:
     """The modern model fine-tuned on `assistant_tasks` with training seed ``seed``
-    (`minigpt.sft.finetune`), its chat tokenizer, and a `ModelInfo`; cached."""
+    (`minigpt.posttrain.sft.finetune`), its chat tokenizer, and a `ModelInfo`; cached."""
     check_int("seed", seed, 0)
     base, tokenizer, base_info = pretrained.book_model(progress=progress, recipe=recipe.base)
     chat = with_special_tokens(tokenizer, CHAT_TOKENS)
@@ -162,7 +164,7 @@ def sft_model(seed: int = 0, *, progress: bool = False, recipe: AssistantRecipe 
 def dpo_model(*, beta: float | None = None, progress: bool = False,
               recipe: AssistantRecipe = ASSISTANT_RECIPE,
               ) -> tuple[GPT, CharTokenizer, ModelInfo]:
-    """`sft_model` (seed 0) preference-tuned with DPO (`minigpt.dpo.train_dpo`) on pairs
+    """`sft_model` (seed 0) preference-tuned with DPO (`minigpt.posttrain.dpo.train_dpo`) on pairs
     of `assistant_tasks`' training tasks, its reference being that model, with KL weight
     ``beta`` (default: the recipe's); cached, one model per beta."""
     if beta is not None:  # a validated copy: the beta is checked as the recipe's is
@@ -192,7 +194,7 @@ def dpo_model(*, beta: float | None = None, progress: bool = False,
 
 
 #: Every model set-up caches, by name (`python -m minigpt pretrained --only NAME`): the
-#: pre-trained ones (`minigpt.pretrained.MODELS`) and the assistants, the modern model
+#: pre-trained ones (`minigpt.recipes.pretrained.MODELS`) and the assistants, the modern model
 #: fine-tuned with three seeds and preference-tuned with the recipe's beta and, for the
 #: assistant chapter's sweep, two others.
 MODELS: dict[str, pretrained.Loader] = {

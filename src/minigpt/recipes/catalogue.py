@@ -1,18 +1,19 @@
 """Every model set-up trains and caches, by name (`python -m minigpt pretrained --only NAME`).
 
-The pre-trained models (`minigpt.pretrained.MODELS`: the book model, its draft, the modern
-model), the assistants made from the modern model (`minigpt.assistant.MODELS`), the
-rewards chapter's runs (`minigpt.rewards.MODELS`: the cold start on rhymes and
-``rl-METHOD-SEED``) and the small models trained where copying pays (`minigpt.interp.MODELS`).
+The pre-trained models (`minigpt.recipes.pretrained.MODELS`: the book model, its draft, the modern
+model), the assistants made from the modern model (`minigpt.recipes.assistant.MODELS`), the
+rewards chapter's runs (`minigpt.recipes.rewards.MODELS`: the cold start on rhymes and
+``rl-METHOD-SEED``) and the small models trained where copying pays
+(`minigpt.recipes.copiers.MODELS`).
 ``rl`` names the run that ``chat --model rl`` talks to: GRPO, seed 0.
 """
 
 from __future__ import annotations
 
-from minigpt import assistant, interp, pretrained, rewards
+from minigpt.recipes import assistant, copiers, pretrained, rewards
 
 MODELS: dict[str, pretrained.Loader] = {**assistant.MODELS, **rewards.MODELS,
-                                        **interp.MODELS}
+                                        **copiers.MODELS}
 #: Other names of cached models: ``rl`` is the GRPO run of seed 0.
 ALIASES = {"rl": "rl-grpo-0"}
 

@@ -21,9 +21,9 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from minigpt.chat import Turn, greedy_replies, prompt_ids
 from minigpt.config import check_positive
 from minigpt.model import GPT
+from minigpt.posttrain.chat import Turn, greedy_replies, prompt_ids
 from minigpt.tokenizer import Tokenizer
 
 NUMBERS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine",

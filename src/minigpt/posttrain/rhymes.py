@@ -1,6 +1,6 @@
 """Rhymes: a task family with many right answers, for the chapter on learning from rewards.
 
-The families of `minigpt.tasks` each have one right answer, which supervised fine-tuning
+The families of `minigpt.posttrain.tasks` each have one right answer, which supervised fine-tuning
 can copy. Here a question, ``rhymes with: x``, has many: a word of the vocabulary V, other
 than x, that ends with the same three letters as x. This is a *spelling* rhyme (``love``
 and ``glove`` rhyme, and so do ``love`` and ``prove``, which are not heard as one), chosen
@@ -12,14 +12,14 @@ whole reward, which is what the rewards chapter needs to compare learning from a
   letters, seen at least 3 times (the chapter passes the training split of the corpus).
 * `right_answers`: the right answers to a word, most frequent first.
 * `asked_words`, `split_words`: the words asked about (4 to 8 letters, in V, with at least
-  3 rhymes in V), split into training and held-out words as `minigpt.tasks` splits words.
+  3 rhymes in V), split into training and held-out words as `minigpt.posttrain.tasks` splits words.
 * `rhymes_tasks`, `make_rhymes`: `Task`\\ s of the family ``"rhymes"`` whose answer is one
   right answer, drawn at random or the corpus's most frequent (a teacher who knows the
   corpus), so that SFT can be trained on either.
 * `is_right`, `is_right_leaky`, `checker`, `scorer`: the checker, a *leaky* checker that
   forgets to ask whether the answer is a word at all (so that a stuttered ending such as
   ``ororor`` passes for ``terror``: a reward to hack), and the rewards of a batch of
-  answers from either, as `minigpt.rl.score` gives them for exact match.
+  answers from either, as `minigpt.posttrain.rl.score` gives them for exact match.
 * `supervised_steps`, `cold_start`: a short supervised run on tasks with a share of older
   families replayed, and the cold start that learning from rewards continues from (SFT
   on random right answers, half replay).
@@ -43,9 +43,9 @@ from minigpt.config import check_int, check_positive
 from minigpt.data import split_text
 from minigpt.model import GPT
 from minigpt.optim import configure_optimizer
-from minigpt.rl import Reward, score
-from minigpt.sft import encode_tasks
-from minigpt.tasks import Task, TaskSplit, check_split
+from minigpt.posttrain.rl import Reward, score
+from minigpt.posttrain.sft import encode_tasks
+from minigpt.posttrain.tasks import Task, TaskSplit, check_split
 from minigpt.tokenizer import Tokenizer
 from minigpt.train import train_step
 
@@ -156,7 +156,7 @@ def split_words(words: Sequence[str], *, seed: int, test_fraction: float = 0.2,
                 ) -> tuple[list[str], list[str]]:
     """(training words, held-out words): the distinct ``words``, sorted, shuffled with
     ``seed`` and a ``test_fraction`` of them (rounded) held out, as
-    `minigpt.tasks.make_tasks` splits the words its tasks ask about."""
+    `minigpt.posttrain.tasks.make_tasks` splits the words its tasks ask about."""
     return _split(words, test_fraction, random.Random(seed))
 
 
@@ -186,7 +186,7 @@ def rhymes_tasks(words: Sequence[str], vocab: Vocabulary, *, teacher: Teacher = 
     of x's `right_answers`, drawn uniformly with ``rng`` (``teacher="random"``) or the most
     frequent in ``vocab`` (``"frequent"``, ties in alphabetical order). The task's
     ``word`` is x, and so is its ``source``: it is made from the word alone (and so
-    `minigpt.tasks.check_split` refuses a word asked in both splits twice over)."""
+    `minigpt.posttrain.tasks.check_split` refuses a word asked in both splits twice over)."""
     _check_teacher(teacher)
     if teacher == "random" and rng is None:
         raise ValueError("teacher='random' draws the answers: give rng, a seeded "
@@ -266,9 +266,9 @@ def checker(vocab: Vocabulary | None) -> Checker:
 
 
 def scorer(check: Checker) -> Reward:
-    """The rewards of answers to tasks, as `minigpt.rl.score` gives them: (N,) float32, 1
+    """The rewards of answers to tasks, as `minigpt.posttrain.rl.score` gives them: (N,) float32, 1
     for a right answer and 0 for a wrong one. A rhymes task's answer is judged by
-    ``check``; any other family's by exact match (`minigpt.rl.score`), so that one batch
+    ``check``; any other family's by exact match (`minigpt.posttrain.rl.score`), so that one batch
     may mix rhymes with the older families."""
 
     def reward(answers: Sequence[str], tasks: Sequence[Task]) -> Tensor:
@@ -322,7 +322,7 @@ def supervised_steps(model: GPT, tokenizer: Tokenizer, tasks: Sequence[Task],
     passes read (the batch's B rows, padded to the longest).
 
     Each task is one exchange, question then answer, masked to the answer
-    (`minigpt.sft.encode_tasks`); each step draws round(B * replay_fraction) of the B
+    (`minigpt.posttrain.sft.encode_tasks`); each step draws round(B * replay_fraction) of the B
     conversations uniformly from ``replay`` and the others from ``tasks`` (with
     replacement, seeded), and takes one `minigpt.train.train_step` (the masked
     cross-entropy) with AdamW at a constant rate and no weight decay

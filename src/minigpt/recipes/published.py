@@ -1,6 +1,6 @@
 """The book's trained models, published beside its site: fetched, verified, never trusted.
 
-Set-up trains every model the chapters load (`minigpt.catalogue.MODELS`: about 40
+Set-up trains every model the chapters load (`minigpt.recipes.catalogue.MODELS`: about 40
 CPU-minutes on a 2-core machine). The workflow that publishes the site also publishes each
 of them (`tools/publish.py`) in a folder ``models/`` beside the pages:
 
@@ -12,7 +12,7 @@ What a fetched model must be is never read from the server: the repository's
 `tests/notebooks/models.json` (`INDEX`) holds, for each model, the cache key it was trained
 at, the sha256 and size of its weights and the sha256 of its record (its manifest without
 what a rerun measures differently: times and speeds, `VOLATILE`). `fetch`, called by
-`minigpt.pretrained.cached_model` for a model missing from the cache, looks its key up
+`minigpt.recipes.pretrained.cached_model` for a model missing from the cache, looks its key up
 there, downloads the weights from `base_url()` while hashing them, and keeps the model only
 if the hash, the size and the record all match; it is then written to the cache as a
 trained model would be (weights first, manifest last, each atomically). Anything else (no
@@ -46,8 +46,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from minigpt.files import atomic_write
-from minigpt.pretrained import MANIFEST_NAME, WEIGHTS_NAME
+from minigpt.files import MANIFEST_NAME, WEIGHTS_NAME, atomic_write
 
 log = logging.getLogger(__name__)
 

@@ -2,30 +2,33 @@
 for about a minute of CPU time each, each trained once at set-up and cached like the
 assistants.
 
-The chat model ``sft-0`` (`minigpt.assistant.sft_model`) answers ``rhymes with: x``
-(`minigpt.rhymes`) in the older families' formats and almost never rightly, so learning from
+The chat model ``sft-0`` (`minigpt.recipes.assistant.sft_model`) answers ``rhymes with: x``
+(`minigpt.posttrain.rhymes`) in the older families' formats and almost never rightly, so learning
+from
 rewards has nothing to reinforce. `cold_model` gives it a start: a minute of SFT on random
-right answers, half of each batch replaying the older families (`minigpt.rhymes.cold_start`).
+right answers, half of each batch replaying the older families
+(`minigpt.posttrain.rhymes.cold_start`).
 `run_model` continues from that start with one `Method`, a seed and the recipe's number of
 optimiser steps (`STEPS`, about a minute of CPU time each; `training_compute` counts what
 a run spent from its per-step history):
 
-* ``grpo``: GRPO (`minigpt.rl.grpo_step`), rewarded by the checker (`minigpt.rhymes.is_right`);
+* ``grpo``: GRPO (`minigpt.posttrain.rl.grpo_step`), rewarded by the checker
+(`minigpt.posttrain.rhymes.is_right`);
   ``grpo-kl`` with a KL penalty to the start; ``grpo-rhymes-only`` with no older family's
   question in its batches (the others ask a quarter of them); ``reinforce``, GRPO's step
   without a baseline (the reward itself is the advantage);
-* ``rft``: rejection-sampling fine-tuning (`minigpt.rl.rft_step`) with the same checker;
+* ``rft``: rejection-sampling fine-tuning (`minigpt.posttrain.rl.rft_step`) with the same checker;
 * ``sft-random``, ``sft-frequent``: SFT on a random right answer to each word, or on its most
   frequent one in the corpus (a teacher who knows the corpus);
-* ``grpo-leaky``: GRPO rewarded by the leaky checker (`minigpt.rhymes.is_right_leaky`);
+* ``grpo-leaky``: GRPO rewarded by the leaky checker (`minigpt.posttrain.rhymes.is_right_leaky`);
   ``grpo-coin``: GRPO rewarded by a fair coin, whatever the answer.
 
 `evaluate_run` measures a model the same way for every run, and its numbers go into the
 manifest (``metrics["evaluation"]``), so the chapter reads them from the cache: on
 `RewardsRecipe.eval_words` held-out words, the sampled pass@1 and pass@8 and the greedy
-right rate (`minigpt.rl.evaluate_sampled`), the distinct right answers among 16 samples,
+right rate (`minigpt.posttrain.rl.evaluate_sampled`), the distinct right answers among 16 samples,
 the leaky checker's pass@1 on the same samples, how often a sample echoes the word, the KL
-to the start (`minigpt.dpo.sampled_kl`, as the assistant chapter measures DPO's), the
+to the start (`minigpt.posttrain.dpo.sampled_kl`, as the assistant chapter measures DPO's), the
 older families' exact match and the bits per character of the held-out text. The cache key
 covers ``sft-0``'s key, the recipe, the method, the seed, the thread count, PyTorch and the
 source of every module that trains the runs.
@@ -47,24 +50,15 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from minigpt import pretrained
-from minigpt.assistant import (
-    ASSISTANT_MODULES,
-    ASSISTANT_RECIPE,
-    AssistantRecipe,
-    assistant_tasks,
-    sft_model,
-)
-from minigpt.chat import prompt_ids
 from minigpt.compute import matmul_weights
 from minigpt.config import check_int
 from minigpt.data import split_text
-from minigpt.dpo import sampled_kl
 from minigpt.losses import bits_per_character
 from minigpt.model import GPT
 from minigpt.optim import configure_optimizer
-from minigpt.pretrained import Built, ModelInfo, cached_model
-from minigpt.rhymes import (
+from minigpt.posttrain.chat import prompt_ids
+from minigpt.posttrain.dpo import sampled_kl
+from minigpt.posttrain.rhymes import (
     COLD_START,
     FAMILY,
     SFTSettings,
@@ -75,14 +69,24 @@ from minigpt.rhymes import (
     scorer,
     supervised_steps,
 )
-from minigpt.rhymes import checker as rhymes_checker
-from minigpt.rl import GRPOSettings, Reward, evaluate_sampled, grpo_step, rft_step, score
-from minigpt.tasks import Task, TaskSplit, exact_match
+from minigpt.posttrain.rhymes import checker as rhymes_checker
+from minigpt.posttrain.rl import GRPOSettings, Reward, evaluate_sampled, grpo_step, rft_step, score
+from minigpt.posttrain.tasks import Task, TaskSplit, exact_match
+from minigpt.recipes import pretrained
+from minigpt.recipes.assistant import (
+    ASSISTANT_MODULES,
+    ASSISTANT_RECIPE,
+    AssistantRecipe,
+    assistant_tasks,
+    sft_model,
+)
+from minigpt.recipes.pretrained import Built, ModelInfo, cached_model
 from minigpt.tokenizer import END_OF_TURN, CharTokenizer, Tokenizer
 
 #: The package's modules that importing this one loads; their source is part of every run's
 #: cache key.
-REWARDS_MODULES = tuple(sorted({*ASSISTANT_MODULES, "compute", "rewards", "rhymes", "rl"}))
+REWARDS_MODULES = tuple(sorted({*ASSISTANT_MODULES, "compute", "posttrain.rhymes",
+                                "posttrain.rl", "recipes.rewards"}))
 
 Method = Literal["grpo", "grpo-kl", "grpo-rhymes-only", "reinforce", "rft", "sft-random",
                  "sft-frequent", "grpo-leaky", "grpo-coin"]
@@ -123,7 +127,7 @@ class RewardsRecipe(BaseModel):
     Attributes:
         assistant: the recipe of the chat model they start from (``sft-0``'s) and of the
             older families' tasks. rhymes_seed: the seed of the rhymes words' split.
-        cold: the cold start's SFT (`minigpt.rhymes.COLD_START`).
+        cold: the cold start's SFT (`minigpt.posttrain.rhymes.COLD_START`).
         grpo: the settings of GRPO's and rejection sampling's steps (groups of 8, answers of
             at most 12 tokens); kl_coef: beta of ``grpo-kl``.
         rhymes_per_step, old_per_step: questions of a GRPO or rejection-sampling step, of
@@ -194,7 +198,7 @@ class RewardsData:
 
 def rewards_data(recipe: RewardsRecipe = REWARDS_RECIPE) -> RewardsData:
     """`RewardsData` made from the corpus: rhymes of the base model's training text
-    (`minigpt.rhymes.make_rhymes`), the assistants' tasks (`assistant_tasks`), a seeded
+    (`minigpt.posttrain.rhymes.make_rhymes`), the assistants' tasks (`assistant_tasks`), a seeded
     sample of `RewardsRecipe.eval_words` held-out rhymes tasks, the first
     `RewardsRecipe.eval_old` held-out tasks of each older family, and the held-out text."""
     text = pretrained.corpus()
@@ -216,7 +220,7 @@ def rewards_data(recipe: RewardsRecipe = REWARDS_RECIPE) -> RewardsData:
 def coin(generator: torch.Generator) -> Reward:
     """A reward that ignores what a rhymes answer says: a fair coin, drawn with
     ``generator``; the older families' answers are scored by exact match
-    (`minigpt.rl.score`)."""
+    (`minigpt.posttrain.rl.score`)."""
 
     def reward(answers: Sequence[str], tasks: Sequence[Task]) -> torch.Tensor:
         coins = torch.randint(0, 2, (len(answers),), generator=generator).float()
@@ -236,11 +240,11 @@ def continue_training(model: GPT, tokenizer: Tokenizer, method: Method, data: Re
     start), for ``steps`` optimiser steps at AdamW's constant rate ``lr`` (default: the
     recipe's); returns the per-step history. GRPO and rejection sampling record what
     practitioners log: ``reward``, ``zero_signal`` (the share of groups whose answers all
-    scored the same), ``entropy`` (`minigpt.rl.answer_entropy`, nats a token), ``length``
+    scored the same), ``entropy`` (`minigpt.posttrain.rl.answer_entropy`, nats a token), ``length``
     (tokens an answer), ``grad_norm``, and ``kl`` (to the start, nats an answer) for
     ``grpo-kl``; SFT records its ``loss``. Every method records the work of each step:
     ``answers`` sampled, ``tokens_sampled``, ``tokens_trained`` and ``tokens_scored``
-    (`minigpt.rl.GRPOStats`; SFT only trains), from which `training_compute` counts FLOPs.
+    (`minigpt.posttrain.rl.GRPOStats`; SFT only trains), from which `training_compute` counts FLOPs.
 
     GRPO and rejection sampling ask `RewardsRecipe.rhymes_per_step` rhymes questions and
     `RewardsRecipe.old_per_step` of the older families (rewarded by exact match) a step,
@@ -360,7 +364,7 @@ def room(model: GPT, tokenizer: Tokenizer, old: TaskSplit) -> dict[str, dict[str
     the first `ROOM_TASKS` held-out tasks of each, the greedy exact match, the sampled
     pass@1 and pass@8 (`ROOM_SAMPLES` answers a task, exact match), and the fraction of
     groups of 8 answers all right or all wrong beside its prediction p^8 + (1 - p)^8
-    (`minigpt.rl.evaluate_sampled`)."""
+    (`minigpt.posttrain.rl.evaluate_sampled`)."""
     measured = {}
     for i, family in enumerate(ROOM_FAMILIES):
         tasks = [t for t in old.test if t.family == family][:ROOM_TASKS]
@@ -374,7 +378,7 @@ def room(model: GPT, tokenizer: Tokenizer, old: TaskSplit) -> dict[str, dict[str
 
 def cold_model(*, progress: bool = False, recipe: RewardsRecipe = REWARDS_RECIPE,
                ) -> tuple[GPT, CharTokenizer, ModelInfo]:
-    """``sft-0`` given a cold start on rhymes (`minigpt.rhymes.cold_start` with
+    """``sft-0`` given a cold start on rhymes (`minigpt.posttrain.rhymes.cold_start` with
     `RewardsRecipe.cold`), its chat tokenizer and a `ModelInfo`; cached. Its manifest also
     holds ``sft-0``'s own evaluation (``metrics["zero_shot"]``) and the room it leaves on
     the older families (`room`, ``metrics["room"]``)."""

@@ -11,7 +11,8 @@ cache of the text so far it reads one new token, as `minigpt.decoding.generate` 
 are dynamic. Every export is run by onnxruntime on held-out text at once, both ways, and
 refused unless its logits and weights are the package's.
 
-``python -m minigpt.export OUT`` writes into the folder OUT one ``<name>.onnx`` per model and
+``python -m minigpt.recipes.export OUT`` writes into the folder OUT one ``<name>.onnx`` per model
+and
 ``playground.json``: each model's vocabulary and shape, its chat tokens (the assistant's),
 the Vega-Lite specification of the attention heatmap (`charts.attention_explorer`), whose data
 the page replaces with the weights it computes, and a greedy sample of each model.
@@ -34,12 +35,12 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from minigpt import chat
-from minigpt.assistant import MODELS
 from minigpt.data import split_text
 from minigpt.decoding import eval_mode, generate
 from minigpt.model import GPT
-from minigpt.pretrained import BOOK_RECIPE, corpus, threads
+from minigpt.posttrain import chat
+from minigpt.recipes.assistant import MODELS
+from minigpt.recipes.pretrained import BOOK_RECIPE, corpus, threads
 from minigpt.tokenizer import ASSISTANT, END_OF_TURN, USER, CharTokenizer
 
 #: The exported models, by their cache name, and what the playground calls them.
@@ -224,7 +225,7 @@ def _chat_ids(tokenizer: CharTokenizer) -> dict[str, int] | None:
 def prompt_ids(tokenizer: CharTokenizer, prompt: str) -> list[int]:
     """The ids the playground feeds a model for ``prompt``: its characters, or, for the
     assistant (a tokenizer with the chat tokens), the prompt as a user's turn followed by
-    ``<|assistant|>`` (`minigpt.chat.prompt_ids`)."""
+    ``<|assistant|>`` (`minigpt.posttrain.chat.prompt_ids`)."""
     if _chat_ids(tokenizer) is None:
         return tokenizer.encode_ordinary(prompt)
     return chat.prompt_ids([chat.Turn("user", prompt)], tokenizer)
@@ -245,7 +246,7 @@ def greedy_sample(gpt: GPT, tokenizer: CharTokenizer, prompt: str,
 def heatmap_spec(gpt: GPT, tokenizer: CharTokenizer) -> dict[str, Any]:
     """The attention heatmap's Vega-Lite specification (`charts.attention_explorer`), drawn
     for a short text: the page keeps its marks and controls and replaces its data."""
-    from minigpt.charts import attention_explorer
+    from minigpt.figures.charts import attention_explorer
 
     ids = torch.tensor([tokenizer.encode_ordinary("To be")])
     with torch.no_grad():
@@ -296,7 +297,7 @@ def _export_one(name: str, out: Path, contexts: int, manifest: dict[str, Any]) -
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m minigpt.export",
+        prog="python -m minigpt.recipes.export",
         description="Export the playground's models to ONNX and check them with onnxruntime.")
     parser.add_argument("out", type=Path, help="the folder to write into")
     parser.add_argument("--contexts", type=int, default=20,

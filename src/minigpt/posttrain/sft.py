@@ -1,13 +1,13 @@
 """Supervised fine-tuning: a base model taught to answer in the chat format.
 
-The data are conversations (`minigpt.tasks`' questions and answers, one or several to a
+The data are conversations (`minigpt.posttrain.tasks`' questions and answers, one or several to a
 conversation), encoded with the chat tokens into an `ExampleSet` whose mask marks what the
 assistant says; the training run is `minigpt.train.train`'s, whose loss counts the masked
 targets only (`masked_lm_loss`) and whose accumulated micro-batches are weighted by their
 share of answer tokens (`train_step`).
 
 The command line's `python -m minigpt sft` fine-tunes with it (`minigpt.cli`),
-and so does set-up's `minigpt.assistant.sft_model`.
+and so does set-up's `minigpt.recipes.assistant.sft_model`.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from minigpt.chat import Turn, add_chat_tokens, encode_conversation, extend_context
 from minigpt.config import TrainConfig
 from minigpt.data import ExampleSet
 from minigpt.model import GPT
-from minigpt.tasks import Task, conversations
+from minigpt.posttrain.chat import Turn, add_chat_tokens, encode_conversation, extend_context
+from minigpt.posttrain.tasks import Task, conversations
 from minigpt.tokenizer import END_OF_TURN, BPETokenizer, CharTokenizer, Tokenizer
 from minigpt.train import TrainResult, train
 
@@ -37,7 +37,7 @@ def encode_conversations(conversations: Sequence[Sequence[Turn]], tokenizer: Tok
     """The conversations as token ids (`encode_conversation`), masked to what the assistant
     says. A conversation longer than a model of ``context_length`` reads in one pass loses
     its oldest exchanges (a question and its answer) until it fits, as the chat command
-    drops them (`minigpt.chat.fit_context`); None keeps every conversation whole."""
+    drops them (`minigpt.posttrain.chat.fit_context`); None keeps every conversation whole."""
     if not conversations:
         raise ValueError("encode_conversations needs at least one conversation")
     sequences, masks = [], []
@@ -73,7 +73,7 @@ def finetune(model: GPT, tokenizer: CharTokenizer | BPETokenizer, train_tasks: S
     tokenizer.
 
     ``max_turns``: the tasks are asked in conversations of 1 to ``max_turns`` questions
-    (`minigpt.tasks.conversations`, grouped with the run's seed), so that the model learns
+    (`minigpt.posttrain.tasks.conversations`, grouped with the run's seed), so that the model learns
     to answer the last question whatever turns precede it. ``context_length``: the
     fine-tuned model reads this many tokens (`extend_context`; default: the base model's).
     ``replay``: plain texts (e.g. `text_windows` of the pre-training text) mixed into the

@@ -28,7 +28,7 @@ is reported (a `RuntimeWarning` and a log line) and the model is rebuilt; a dama
 never used. Files are written atomically (temporary file, then rename), the manifest last, so
 an interrupted build leaves no cache that looks complete.
 
-A model missing from the cache is fetched, if it is published (`minigpt.published`: the
+A model missing from the cache is fetched, if it is published (`minigpt.recipes.published`: the
 book's site serves every set-up model, and `tests/notebooks/models.json` holds the hashes a
 fetched model must have), before it is trained.
 """
@@ -64,7 +64,7 @@ from tqdm import tqdm
 from minigpt import PINNED_CPU_KERNELS, products
 from minigpt.config import MODERN_LAYOUT, MODERN_TRAINING, GPTConfig, TrainConfig
 from minigpt.data import shakespeare_text, split_text
-from minigpt.files import atomic_write, cache_dir, sha256_file
+from minigpt.files import MANIFEST_NAME, WEIGHTS_NAME, atomic_write, cache_dir, sha256_file
 from minigpt.model import GPT
 from minigpt.tokenizer import CharTokenizer
 from minigpt.train import train
@@ -76,11 +76,11 @@ log = logging.getLogger(__name__)
 #: models (tests/test_pretrained.py checks that the list is what importing this module loads).
 TRAINING_MODULES = ("__init__", "assets", "attention", "checkpoint", "config", "data",
                     "decoding", "files", "losses", "model", "nn", "optim", "parallel",
-                    "pretrained", "products", "tokenizer", "train")
+                    "products", "recipes", "recipes.pretrained", "tokenizer", "train")
+#: The package's folder: `source_sha256` reads its modules there.
+PACKAGE = Path(__file__).resolve().parent.parent
 #: Optimiser steps of the modern book model.
 MODERN_BOOK_STEPS = 400
-WEIGHTS_NAME = "model.safetensors"
-MANIFEST_NAME = "manifest.json"
 
 
 class Recipe(BaseModel):
@@ -152,7 +152,7 @@ class ModelInfo:
         key: the cache key (hex).
         path: the cache folder, `<cache>/models/<key>/`.
         built: True if this call trained the model, False if it loaded it.
-        fetched: True if this call fetched the model (`minigpt.published`) and loaded it.
+        fetched: True if this call fetched the model (`minigpt.recipes.published`) and loaded it.
         load_seconds: wall time of this call's loading (or building) step.
         manifest: the manifest: recipe, metrics (final losses, train_seconds, ...) and the
             training history (per-step loss, evaluations).
@@ -209,12 +209,20 @@ def source_sha256(modules: tuple[str, ...]) -> str:
     a module's C++ source, as ``products.cpp``, after its Python)."""
     digest = hashlib.sha256()
     for name in modules:
-        for path in (Path(__file__).parent / f"{name}.py", Path(__file__).parent / f"{name}.cpp"):
-            if path.suffix == ".py" or path.is_file():
-                code = _package_code(path).encode("utf-8")
-                digest.update(f"\0{path.name}\0{len(code)}\0".encode())
-                digest.update(code)
+        for path in module_files(name):
+            code = _package_code(path).encode("utf-8")
+            digest.update(f"\0{path.relative_to(PACKAGE).as_posix()}\0{len(code)}\0".encode())
+            digest.update(code)
     return digest.hexdigest()
+
+
+def module_files(name: str) -> list[Path]:
+    """The source files of the package's module ``name`` (``"nn"``, ``"recipes.pretrained"``;
+    a subpackage is its ``__init__.py``): its Python, then its C++ if it has one."""
+    module = PACKAGE.joinpath(*name.split("."))
+    python = module / "__init__.py" if module.is_dir() else module.with_suffix(".py")
+    return [path for path in (python, module.with_suffix(".cpp"))
+            if path.suffix == ".py" or path.is_file()]
 
 
 @functools.cache
@@ -466,7 +474,7 @@ def plural(n: int, noun: str) -> str:
 
 def _stderr(message: str) -> None:
     # tqdm.write prints above an active progress bar instead of through it.
-    tqdm.write(f"minigpt.pretrained: {message}", file=sys.stderr)
+    tqdm.write(f"minigpt.recipes.pretrained: {message}", file=sys.stderr)
 
 
 def load_or_build(recipe: Recipe, text: str, *, progress: bool = False,
@@ -498,7 +506,7 @@ def cached_model(material: dict[str, Any], build: Builder, *, progress: bool = F
         if loaded is None:
             # Fetching decides none of the weights (they are checked against the stored
             # hashes): not a training module, so imported here, outside the key.
-            from minigpt import published
+            from minigpt.recipes import published
             if published.fetch(key, folder, progress=progress, say=say):
                 loaded = _load_or_warn(folder, key, material, "fetched")
                 fetched = loaded is not None
@@ -558,5 +566,6 @@ def draft_model(*, progress: bool = False) -> tuple[GPT, CharTokenizer, ModelInf
 Loader = Callable[..., tuple[GPT, CharTokenizer, ModelInfo]]
 
 #: The pre-trained models by name. The assistants made from the book model are
-#: `minigpt.assistant`'s, and `minigpt.assistant.MODELS` lists these and those together.
+#: `minigpt.recipes.assistant`'s, and `minigpt.recipes.assistant.MODELS` lists these and those
+#: together.
 MODELS: dict[str, Loader] = {"book": book_model, "draft": draft_model, "modern": modern_model}

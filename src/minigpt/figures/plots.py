@@ -1,7 +1,7 @@
 """The plots of numbers the chapters show: curves (one run, or several seeds with their
 spread), a run's training curves, next-token distributions side by side, histograms.
 
-Like `minigpt.viz`'s figures, each is drawn on axes made with pyplot and returned as a
+Like `minigpt.figures.viz`'s figures, each is drawn on axes made with pyplot and returned as a
 `Figure` (nothing here calls `plt.show()`), keeps matplotlib's style (an opaque white
 background that reads the same in the site's light and dark modes), and checks the data a
 reader passes before drawing: a series of the wrong length, an empty mapping or a history
@@ -19,7 +19,7 @@ import seaborn as sns
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from minigpt.viz import as_float64, display_token
+from minigpt.figures.viz import as_float64, display_token
 
 
 def _named(entries: Mapping[str, Any], name: str) -> dict[str, np.ndarray]:

@@ -32,14 +32,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from minigpt.chat import Turn, answer_turn, fit_context, greedy_replies, prompt_ids
 from minigpt.config import check_positive
 from minigpt.data import split_text
 from minigpt.decoding import eval_mode
-from minigpt.dpo import sequence_logprobs
 from minigpt.losses import bits_per_character
 from minigpt.model import GPT
-from minigpt.tasks import Task, exact_match
+from minigpt.posttrain.chat import Turn, answer_turn, fit_context, greedy_replies, prompt_ids
+from minigpt.posttrain.dpo import sequence_logprobs
+from minigpt.posttrain.tasks import Task, exact_match
 from minigpt.tokenizer import CHAT_TOKENS, Tokenizer
 
 CHANCE = 0.25
@@ -200,9 +200,9 @@ class TurnMatch:
     Attributes:
         by_turn: the fraction answered exactly right, asked in the conversation.
         single_turn: the fraction of the same questions answered exactly right, each asked
-            alone (`minigpt.tasks.exact_match`).
+            alone (`minigpt.posttrain.tasks.exact_match`).
         dropped: the mean number of earlier turns (questions and answers) that no longer
-            fit the context when the question was asked (`minigpt.chat.fit_context`).
+            fit the context when the question was asked (`minigpt.posttrain.chat.fit_context`).
         conversations: every conversation whole, question, answer, question, ...
     """
 
@@ -219,7 +219,8 @@ def exact_match_by_turn(model: GPT, tokenizer: Tokenizer, tasks: Sequence[Task],
 
     The tasks are shuffled with ``seed`` and cut into ``len(tasks) // n_turns``
     conversations of ``n_turns`` questions (the few left over are not asked). Each question
-    is asked as the chat command asks it (`minigpt.chat.chat_loop`): after the conversation
+    is asked as the chat command asks it (`minigpt.posttrain.chat.chat_loop`): after the
+    conversation
     so far, less its oldest turns if it has outgrown the context (`fit_context`), answered
     greedily in at most ``max_new_tokens`` tokens (`answer_turn`). Turn 1 is a question
     asked alone; its score is the single-turn one, but for an answer holding a chat token
@@ -269,7 +270,7 @@ def benchmark_table(models: Mapping[str, tuple[GPT, Tokenizer]], text: str, *,
     first part; the multiple-choice items (``n_items``, `make_choices` with ``seed``) and
     bits per character (on the held-out part's first ``bpc_chars`` characters, with
     `minigpt.losses.bits_per_character`) come from the held-out part. With ``tasks``, each
-    model's exact match per family (`minigpt.tasks.exact_match`): in the chat format for a
+    model's exact match per family (`minigpt.posttrain.tasks.exact_match`): in the chat format for a
     model whose tokenizer has the chat tokens, else few-shot from ``shots``.
     Columns: model, mc_summed, mc_per_char, bpc, and em_<family> (None where not defined).
     """
