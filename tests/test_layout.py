@@ -1,0 +1,73 @@
+"""The package's layout: the core at the top level imports no subpackage, each subpackage
+imports the core and itself only (the recipes may import every other subpackage), and only
+the command line sits above them all; imports inside functions count too."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import minigpt
+
+PACKAGE = Path(minigpt.__file__).parent
+SUBPACKAGES = ("posttrain", "interp", "recipes", "figures")
+#: What each part of the package may import besides itself: the core is "".
+ALLOWED = {"": {""}, "posttrain": {""}, "interp": {""}, "figures": {""},
+           "recipes": {"", "posttrain", "interp", "figures"}}
+#: The entry points above the layout: the command line imports from every part.
+ENTRY_POINTS = {"cli", "__main__"}
+
+
+def part(module: str) -> str:
+    """The part of the package a dotted module name under ``minigpt`` lies in."""
+    first = module.split(".")[0]
+    return first if first in SUBPACKAGES else ""
+
+
+def imported(path: Path) -> set[str]:
+    """The package's modules a file imports, as dotted names under ``minigpt``."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "minigpt":
+                names.update(alias.name for alias in node.names)
+            elif node.module.startswith("minigpt."):
+                names.add(node.module.removeprefix("minigpt."))
+        elif isinstance(node, ast.Import):
+            names.update(alias.name.removeprefix("minigpt.") for alias in node.names
+                         if alias.name.startswith("minigpt."))
+    return names
+
+
+def modules() -> list[tuple[str, Path]]:
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        dotted = ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
+        found.append((dotted.removesuffix(".__init__"), path))
+    return found
+
+
+def test_the_layout_has_the_core_and_four_subpackages() -> None:
+    parts = {part(name) for name, _ in modules()}
+    assert parts == {"", *SUBPACKAGES}
+    for sub in SUBPACKAGES:
+        assert (PACKAGE / sub / "__init__.py").read_text(encoding="utf-8").startswith('"""')
+
+
+@pytest.mark.parametrize(("name", "path"), modules(), ids=[name for name, _ in modules()])
+def test_imports_run_down_the_layout(name: str, path: Path) -> None:
+    if name in ENTRY_POINTS:
+        return
+    allowed = ALLOWED[part(name)] | {part(name)}
+    wrong = sorted(m for m in imported(path) if m not in ENTRY_POINTS and part(m) not in allowed)
+    assert not wrong, f"minigpt.{name} imports {wrong}, which lie above it"
+    assert not imported(path) & ENTRY_POINTS, f"minigpt.{name} imports the command line"
+
+
+def test_the_check_finds_an_import_that_runs_up(tmp_path: Path) -> None:
+    upward = tmp_path / "upward.py"
+    upward.write_text("def f():\n    from minigpt.recipes.pretrained import book_model\n")
+    assert imported(upward) == {"recipes.pretrained"}
+    assert part("recipes.pretrained") not in ALLOWED["posttrain"]
