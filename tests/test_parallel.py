@@ -92,12 +92,8 @@ def run_script_on_ranks(n: int, script: str, tmp: Path) -> list[subprocess.Compl
 
 
 @pytest.mark.slow
-def test_one_step_on_two_ranks_equals_one_process_on_the_whole_batch(tmp_path: Path) -> None:
-    script = tmp_path / "step.py"
-    script.write_text(STEP_SCRIPT)
-    for r in _ranks(2, [str(script), str(tmp_path)], tmp_path):
-        assert r.returncode == 0, r.stderr
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+def test_one_step_on_two_ranks_equals_one_process_on_the_whole_batch(two_ranks: Path) -> None:
+    ranks = [torch.load(two_ranks / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=11, context_length=8, d_model=16, n_heads=2, n_layers=2))
@@ -241,9 +237,11 @@ def test_a_port_in_use_is_named(tmp_path: Path, text_file: Path,
 
 @pytest.mark.slow
 def test_global_batch_size_sets_accumulation(tmp_path: Path, text_file: Path) -> None:
-    r = _train(["--batch-size", "4", "--global-batch-size", "12", "--max-steps", "2"],
-               tmp_path / "acc", text_file)
-    assert r.returncode == 0, r.stderr
+    # In this process (the command line's main), as the bad settings above: no process to
+    # start for one process's two steps.
+    assert main(["train", *TRAIN_FLAGS, "--batch-size", "4", "--global-batch-size", "12",
+                 "--max-steps", "2", "--text", str(text_file), "--out",
+                 str(tmp_path / "acc")]) == 0
     metrics = json.loads((tmp_path / "acc" / "metrics.json").read_text())
     assert metrics["train_config"]["grad_accum"] == 3 and metrics["effective_batch_size"] == 12
 
@@ -315,7 +313,7 @@ WRAPPED_SCRIPT = textwrap.dedent("""
     result = train(model, TrainConfig(batch_size=int(sys.argv[2]), max_steps=4, eval_interval=2,
                                       eval_steps=3, warmup_steps=1), data, data[:500],
                    progress=False, ctx=ctx)
-    with open(sys.argv[1] + f"/rank{ctx.rank}.json", "w") as f:
+    with open(sys.argv[1] + f"/wrapped{ctx.rank}.json", "w") as f:
         json.dump({"devices": devices, "eval_rows": sorted(set(eval_rows)),
                    "model_device": str(next(model.parameters()).device),
                    "val_loss": result.history.val_loss, "loss": result.history.loss}, f)
@@ -325,19 +323,17 @@ WRAPPED_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_each_rank_evaluates_its_share_and_collectives_use_the_models_device(
-        tmp_path: Path) -> None:
+        two_ranks: Path, tmp_path: Path) -> None:
     script = tmp_path / "wrapped.py"
     script.write_text(WRAPPED_SCRIPT)
-    for r in _ranks(2, [str(script), str(tmp_path), "4"], tmp_path):
-        assert r.returncode == 0, r.stderr
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = [json.loads((two_ranks / f"wrapped{r}.json").read_text()) for r in (0, 1)]
     (tmp_path / "one").mkdir()
     single = subprocess.run([sys.executable, str(script), str(tmp_path / "one"), "8"],
                             capture_output=True, text=True, timeout=300,
                             env={k: v for k, v in os.environ.items() if k not in (
                                 "RANK", "WORLD_SIZE", "LOCAL_RANK")} | {"OMP_NUM_THREADS": "1"})
     assert single.returncode == 0, single.stderr
-    one = json.loads((tmp_path / "one" / "rank0.json").read_text())
+    one = json.loads((tmp_path / "one" / "wrapped0.json").read_text())
     for rank in ranks:
         assert rank["devices"] and set(rank["devices"]) == {rank["model_device"]}
         assert rank["eval_rows"] == [4]  # its own rows of each global batch of 8, no more
@@ -376,7 +372,7 @@ NO_SYNC_SCRIPT = textwrap.dedent("""
             calls.clear()
             train_step(trainee, opt, [Batch(x, x)] * k, grad_clip=1.0)
             counts[f"{'compiled' if compiled else 'eager'} k={k}"] = len(calls)
-    with open(sys.argv[1] + f"/rank{ctx.rank}.json", "w") as f:
+    with open(sys.argv[1] + f"/no_sync{ctx.rank}.json", "w") as f:
         json.dump(counts, f)
     # The wrapper holds the Python hook: release it, and torch.compile's cached graphs of
     # it, while the interpreter is whole. Left to the interpreter's exit, a rank sometimes
@@ -389,13 +385,45 @@ NO_SYNC_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow
-def test_accumulation_all_reduces_once_per_step_also_under_compile(tmp_path: Path) -> None:
-    script = tmp_path / "no_sync.py"
-    script.write_text(NO_SYNC_SCRIPT)
-    for r in _ranks(2, [str(script), str(tmp_path)], tmp_path):
+
+# The three scripts above in one pair of processes: one process group (the first
+# init_distributed makes it, the others are handed it; only the last shutdown ends it), the
+# scripts run in turn, the wrapping of the collectives, which stays, last.
+THREE_SCRIPTS = textwrap.dedent("""
+    import runpy, sys
+    from minigpt import parallel
+    out, groups, real_init, real_shutdown = sys.argv[1], [], parallel.init_distributed, \
+        parallel.shutdown
+    def init_once(device):
+        if not groups:
+            groups.append(real_init(device))
+        return groups[0]
+    parallel.init_distributed, parallel.shutdown = init_once, lambda ctx: None
+    for name, argv in (("step", [out]), ("no_sync", [out]), ("wrapped", [out, "4"])):
+        if name == "wrapped":
+            parallel.shutdown = real_shutdown
+        sys.argv = [name + ".py", *argv]
+        runpy.run_path(out + "/" + name + ".py", run_name="__main__")
+""")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two ranks that run STEP_SCRIPT, NO_SYNC_SCRIPT and WRAPPED_SCRIPT (global batches of
+    8 in micro-batches of 4) in one process group; the folder of what they wrote."""
+    root = tmp_path_factory.mktemp("two_ranks")
+    scripts = [STEP_SCRIPT, NO_SYNC_SCRIPT, WRAPPED_SCRIPT]
+    for name, script in zip(("step", "no_sync", "wrapped"), scripts, strict=True):
+        (root / f"{name}.py").write_text(script)
+    (root / "three.py").write_text(THREE_SCRIPTS)
+    for r in _ranks(2, [str(root / "three.py"), str(root)], root):
         assert r.returncode == 0, r.stderr
-    counts = json.loads((tmp_path / "rank0.json").read_text())
+    return root
+
+
+@pytest.mark.slow
+def test_accumulation_all_reduces_once_per_step_also_under_compile(two_ranks: Path) -> None:
+    counts = json.loads((two_ranks / "no_sync0.json").read_text())
     once = counts["eager k=1"]
     assert once >= 1
     assert counts == {f"{mode} k={k}": once for mode in ("eager", "compiled")

@@ -428,6 +428,8 @@ class _Page:
     scrolling: list[str]  # the widest line of each code/output block that scrolls sideways
     page_width: list[int]  # the page's scroll width and the window's, in CSS pixels
     charts: list[list[str]]  # each interactive figure's id and state ("drawn", "error")
+    # each drawn figure's text alternative (aria-describedby) and its controls' labels
+    chart_labels: dict[str, dict[str, Any]]
     console: list[dict[str, Any]]
     axe: list[dict[str, Any]]  # axe-core's violations: id, impact, nodes (in the article?)
 
@@ -474,6 +476,14 @@ const started = Date.now();
 
 _INSPECT = """
 const article = document.querySelector('article.bd-article') || document.body;
+const chartLabels = {};
+for (const chart of document.querySelectorAll('div.minigpt-chart')) {
+  const described = document.getElementById(chart.getAttribute('aria-describedby'));
+  chartLabels[chart.id.replace('minigpt-chart-', '')] = {
+    alt: described ? described.textContent : '',
+    controls: Array.from(chart.querySelectorAll('input, select')).map(
+      (c) => c.closest('label') ? c.closest('label').textContent.trim() : '')};
+}
 const clone = article.cloneNode(true);
 clone.querySelectorAll('pre, code, script, style, mjx-container, .cell_output')
      .forEach((e) => e.remove());
@@ -493,6 +503,7 @@ return {
                   .map((p) => p.textContent.split('\\n')
                                 .reduce((a, b) => (b.length > a.length ? b : a), '')),
   page_width: [document.scrollingElement.scrollWidth, document.scrollingElement.clientWidth],
+  chart_labels: chartLabels,
 };
 """
 
@@ -770,14 +781,11 @@ def _slide(driver: Any, chart: str, name: str, value: float) -> None:
 
 @pytest.mark.browser
 def test_controls_are_labelled_and_charts_described(driver: Any, base_url: str) -> None:
-    for chart in CHARTS:
-        _chart_page(driver, base_url, chart)
-        found = driver.execute_script("""
-const chart = document.getElementById('minigpt-chart-' + arguments[0]);
-const described = document.getElementById(chart.getAttribute('aria-describedby'));
-return {alt: described ? described.textContent : '',
-        controls: Array.from(chart.querySelectorAll('input, select')).map(
-          (c) => c.closest('label') ? c.closest('label').textContent.trim() : '')};""", chart)
+    # Read on each chart's page as first drawn, in the visit the page tests above made.
+    for chart, entry in CHARTS.items():
+        seen = _visit(driver, urljoin(base_url, f"{entry}.html"))
+        assert [f"minigpt-chart-{chart}", "drawn"] in seen.charts, (chart, seen.charts)
+        found = seen.chart_labels[chart]
         assert len(found["alt"]) > 80, f"{chart}: text alternative {found['alt']!r}"
         assert all(found["controls"]), f"{chart}: unlabelled controls {found['controls']}"
         assert found["controls"] or chart == "training-explorer", f"{chart} has no control"
