@@ -74,7 +74,7 @@ def _mkl_recorded(code: str, **env: str) -> str:
     """What a fresh Python's cache key records of MKL's mode after ``code``, with none of
     the pinning variables in its environment but ``env``."""
     clean = {k: v for k, v in os.environ.items() if k not in KERNEL_VARIABLES} | env
-    script = (f"{code}\nfrom minigpt import pretrained\n"
+    script = (f"{code}\nfrom minigpt.recipes import pretrained\n"
               "print(pretrained.environment()['kernel_settings']['MKL_CBWR'])")
     return subprocess.run([sys.executable, "-c", script], env=clean, check=True,
                           capture_output=True, text=True).stdout.strip()
