@@ -71,3 +71,11 @@ def test_the_check_finds_an_import_that_runs_up(tmp_path: Path) -> None:
     upward.write_text("def f():\n    from minigpt.recipes.pretrained import book_model\n")
     assert imported(upward) == {"recipes.pretrained"}
     assert part("recipes.pretrained") not in ALLOWED["posttrain"]
+
+
+def test_the_package_finds_the_repository_it_lies_in() -> None:
+    # A module that reads a file of the repository counts its folders up from itself; a
+    # module moved into a subpackage must count one more.
+    from minigpt.recipes import published
+
+    assert published.INDEX.is_file() and published.CONFIG.is_file()

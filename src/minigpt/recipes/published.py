@@ -51,7 +51,7 @@ from minigpt.files import MANIFEST_NAME, WEIGHTS_NAME, atomic_write
 log = logging.getLogger(__name__)
 
 #: The clone of the book this package is installed from (an editable install).
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]  # src/minigpt/recipes/published.py
 #: What each published model must be: name -> key, weights' sha256 and size, record's sha256.
 INDEX = ROOT / "tests" / "notebooks" / "models.json"
 CONFIG = ROOT / "_config.yml"
