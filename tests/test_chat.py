@@ -1,6 +1,5 @@
-"""minigpt.posttrain.chat: the chat format (render/parse, ids and mask), the model's new tokens,
-and a
-conversation kept within the context."""
+"""minigpt.posttrain.chat: the chat format (render/parse, ids and mask), the model's new
+tokens, and a conversation kept within the context."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""minigpt.posttrain.classify: GPT-1's classification head on a pretrained GPT, and the word
-task."""
+"""minigpt.posttrain.classify: GPT-1's classification head on a pretrained GPT, and the
+word task."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """minigpt.posttrain.rhymes: the vocabulary's rules, the split of the asked words, the tasks'
-answers,
-the checker and the leaky checker, the rewards made from either, and the supervised steps
-of the cold start (on a tiny chat model)."""
+answers, the checker and the leaky checker, the rewards made from either, and the supervised
+steps of the cold start (on a tiny chat model)."""
 
 from __future__ import annotations
 

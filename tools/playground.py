@@ -1,5 +1,5 @@
-"""The playground's export (`minigpt.recipes.export`) into a folder, kept between builds: `make
-book`.
+"""The playground's export (`minigpt.recipes.export`) into a folder, kept between builds
+(`make book`).
 
     .venv/bin/python tools/playground.py OUT [--fresh]
 

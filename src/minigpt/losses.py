@@ -28,9 +28,8 @@ from minigpt.model import GPT
 from minigpt.parallel import DistContext, mean_over_ranks, rank_batch, sum_over_ranks
 from minigpt.tokenizer import Tokenizer
 
-#: A loss other than next-token cross-entropy (e.g. `minigpt.posttrain.dpo.preference_loss`): the
-#: mean
-#: loss of one micro-batch, given the module to call and the batch its data set draws.
+#: A loss other than next-token cross-entropy (e.g. `minigpt.posttrain.dpo.preference_loss`):
+#: the mean loss of one micro-batch, given the module to call and the batch its data set draws.
 LossFn = Callable[[nn.Module, Any], Tensor]
 
 

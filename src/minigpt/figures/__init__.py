@@ -1,2 +1,3 @@
 """The chapters' figures: static plots (`viz`, `plots`, `diagram`) and the site's interactive
-charts (`charts`). They read models and numbers; nothing in the package imports them."""
+charts (`charts`). They read models and numbers; besides the chapters, only the playground's
+export (`minigpt.recipes.export`) uses them."""

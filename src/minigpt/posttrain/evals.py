@@ -217,14 +217,13 @@ def exact_match_by_turn(model: GPT, tokenizer: Tokenizer, tasks: Sequence[Task],
                         ) -> TurnMatch:
     """Exact match at turn 1, 2, ..., ``n_turns`` of conversations made of ``tasks``.
 
-    The tasks are shuffled with ``seed`` and cut into ``len(tasks) // n_turns``
-    conversations of ``n_turns`` questions (the few left over are not asked). Each question
-    is asked as the chat command asks it (`minigpt.posttrain.chat.chat_loop`): after the
-    conversation
-    so far, less its oldest turns if it has outgrown the context (`fit_context`), answered
-    greedily in at most ``max_new_tokens`` tokens (`answer_turn`). Turn 1 is a question
-    asked alone; its score is the single-turn one, but for an answer holding a chat token
-    before its end, which the chat command cuts off.
+    The tasks are shuffled with ``seed`` and cut into ``len(tasks) // n_turns`` conversations
+    of ``n_turns`` questions (the few left over are not asked). Each question is asked as the
+    chat command asks it (`minigpt.posttrain.chat.chat_loop`): after the conversation so far,
+    less its oldest turns if it has outgrown the context (`fit_context`), answered greedily in
+    at most ``max_new_tokens`` tokens (`answer_turn`). Turn 1 is a question asked alone; its
+    score is the single-turn one, but for an answer holding a chat token before its end, which
+    the chat command cuts off.
     """
     check_positive("n_turns", n_turns)
     if len(tasks) < n_turns:

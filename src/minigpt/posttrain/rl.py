@@ -1,8 +1,7 @@
 """Learning from rewards: reinforcement learning with verifiable rewards (GRPO).
 
-A task's answer can be checked by a program (`minigpt.posttrain.tasks`), so a model can learn from
-its
-own attempts rather than from answers to imitate. For each question it samples a group of
+A task's answer can be checked by a program (`minigpt.posttrain.tasks`), so a model can learn
+from its own attempts rather than from answers to imitate. For each question it samples a group of
 G answers (`rollouts`); each is scored 1 if exactly right and 0 if not (`score`); an
 answer's *advantage* is how much better it did than its group's mean (`group_advantages`);
 and the loss raises the log-probability of the answers that beat their group and lowers

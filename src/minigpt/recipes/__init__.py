@@ -2,8 +2,9 @@
 
 Each recipe trains its models once, deterministically, with the core (`minigpt.train`) and,
 for the assistants and the rewards runs, with `minigpt.posttrain`; the result is cached under
-a key that hashes the recipe, the corpus, PyTorch and the code that trains it (`keys`), so
-a chapter asks for a model and gets the same bits on every x86-64 CPU:
+a key that hashes the recipe, the corpus, PyTorch and the code that trains it
+(`pretrained.model_material`), so a chapter asks for a model and gets the same bits on
+every x86-64 CPU:
 
 * `pretrained`: the book's base models (GPT-2 layout, modern recipe, the draft);
 * `assistant`: the modern model taught to answer (SFT) and to prefer (DPO);

@@ -2,11 +2,11 @@
 preference-tuned (DPO), each trained once at set-up and cached like the book model
 (`minigpt.recipes.pretrained`).
 
-The base is the modern model (`minigpt.recipes.pretrained.MODERN_RECIPE`) because its positions are
-rotary: it has no weights per position, so its fine-tuned copy reads a context of 256
+The base is the modern model (`minigpt.recipes.pretrained.MODERN_RECIPE`) because its positions
+are rotary: it has no weights per position, so its fine-tuned copy reads a context of 256
 tokens (`minigpt.posttrain.chat.extend_context`), four times what it was pre-trained on, which
-holds a
-conversation of several exchanges. GPT-2's learned positions stop at the 64 it trained on.
+holds a conversation of several exchanges. GPT-2's learned positions stop at the 64 it trained
+on.
 
     model, tokenizer, info = sft_model(seed=1)   # one of SFT_SEEDS
     model, tokenizer, info = dpo_model()         # DPO from sft_model(seed=0)

@@ -1,11 +1,11 @@
 """Every model set-up trains and caches, by name (`python -m minigpt pretrained --only NAME`).
 
-The pre-trained models (`minigpt.recipes.pretrained.MODELS`: the book model, its draft, the modern
-model), the assistants made from the modern model (`minigpt.recipes.assistant.MODELS`), the
-rewards chapter's runs (`minigpt.recipes.rewards.MODELS`: the cold start on rhymes and
+The pre-trained models (`minigpt.recipes.pretrained.MODELS`: the book model, its draft, the
+modern model), the assistants made from the modern model (`minigpt.recipes.assistant.MODELS`),
+the rewards chapter's runs (`minigpt.recipes.rewards.MODELS`: the cold start on rhymes and
 ``rl-METHOD-SEED``) and the small models trained where copying pays
-(`minigpt.recipes.copiers.MODELS`).
-``rl`` names the run that ``chat --model rl`` talks to: GRPO, seed 0.
+(`minigpt.recipes.copiers.MODELS`). ``rl`` names the run that ``chat --model rl`` talks to:
+GRPO, seed 0.
 """
 
 from __future__ import annotations

@@ -11,9 +11,8 @@ cache of the text so far it reads one new token, as `minigpt.decoding.generate` 
 are dynamic. Every export is run by onnxruntime on held-out text at once, both ways, and
 refused unless its logits and weights are the package's.
 
-``python -m minigpt.recipes.export OUT`` writes into the folder OUT one ``<name>.onnx`` per model
-and
-``playground.json``: each model's vocabulary and shape, its chat tokens (the assistant's),
+``python -m minigpt.recipes.export OUT`` writes into the folder OUT one ``<name>.onnx`` per
+model and ``playground.json``: each model's vocabulary and shape, its chat tokens (the assistant's),
 the Vega-Lite specification of the attention heatmap (`charts.attention_explorer`), whose data
 the page replaces with the weights it computes, and a greedy sample of each model.
 """

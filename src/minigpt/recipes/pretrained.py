@@ -566,6 +566,6 @@ def draft_model(*, progress: bool = False) -> tuple[GPT, CharTokenizer, ModelInf
 Loader = Callable[..., tuple[GPT, CharTokenizer, ModelInfo]]
 
 #: The pre-trained models by name. The assistants made from the book model are
-#: `minigpt.recipes.assistant`'s, and `minigpt.recipes.assistant.MODELS` lists these and those
-#: together.
+#: `minigpt.recipes.assistant`'s, and `minigpt.recipes.assistant.MODELS` lists these and
+#: those together.
 MODELS: dict[str, Loader] = {"book": book_model, "draft": draft_model, "modern": modern_model}

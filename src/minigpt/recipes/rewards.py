@@ -3,20 +3,17 @@ for about a minute of CPU time each, each trained once at set-up and cached like
 assistants.
 
 The chat model ``sft-0`` (`minigpt.recipes.assistant.sft_model`) answers ``rhymes with: x``
-(`minigpt.posttrain.rhymes`) in the older families' formats and almost never rightly, so learning
-from
-rewards has nothing to reinforce. `cold_model` gives it a start: a minute of SFT on random
-right answers, half of each batch replaying the older families
-(`minigpt.posttrain.rhymes.cold_start`).
-`run_model` continues from that start with one `Method`, a seed and the recipe's number of
-optimiser steps (`STEPS`, about a minute of CPU time each; `training_compute` counts what
-a run spent from its per-step history):
+(`minigpt.posttrain.rhymes`) in the older families' formats and almost never rightly, so
+learning from rewards has nothing to reinforce. `cold_model` gives it a start: a minute of SFT
+on random right answers, half of each batch replaying the older families
+(`minigpt.posttrain.rhymes.cold_start`). `run_model` continues from that start with one
+`Method`, a seed and the recipe's number of optimiser steps (`STEPS`, about a minute of CPU
+time each; `training_compute` counts what a run spent from its per-step history):
 
 * ``grpo``: GRPO (`minigpt.posttrain.rl.grpo_step`), rewarded by the checker
-(`minigpt.posttrain.rhymes.is_right`);
-  ``grpo-kl`` with a KL penalty to the start; ``grpo-rhymes-only`` with no older family's
-  question in its batches (the others ask a quarter of them); ``reinforce``, GRPO's step
-  without a baseline (the reward itself is the advantage);
+  (`minigpt.posttrain.rhymes.is_right`); ``grpo-kl`` with a KL penalty to the start;
+  ``grpo-rhymes-only`` with no older family's question in its batches (the others ask a quarter
+  of them); ``reinforce``, GRPO's step without a baseline (the reward itself is the advantage);
 * ``rft``: rejection-sampling fine-tuning (`minigpt.posttrain.rl.rft_step`) with the same checker;
 * ``sft-random``, ``sft-frequent``: SFT on a random right answer to each word, or on its most
   frequent one in the corpus (a teacher who knows the corpus);
