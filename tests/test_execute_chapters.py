@@ -109,10 +109,13 @@ def test_the_book_is_built_with_it() -> None:
     assert "$(PY) tools/execute_chapters.py" in book.split("jupyter-book build")[0]
 
 
-# A chapter whose output differs at each execution (a fresh random number), and which
-# computes one matrix product for the census.
-DRAW = ("```{code-cell} ipython3\nimport random, torch, minigpt\n"
-        "torch.ones(5, 20) @ torch.ones(20, 13)\nprint(random.random())\n```\n")
+# A chapter whose output differs at each execution (a fresh random number), which computes
+# one matrix product for the census and lists a kept run as `minigpt.recipes.runs` does.
+DRAW = ("```{code-cell} ipython3\nimport os, pathlib, random, torch, minigpt\n"
+        "torch.ones(5, 20) @ torch.ones(20, 13)\nprint(random.random())\n"
+        "if 'MINIGPT_CENSUS' in os.environ:\n"
+        "    pathlib.Path(os.environ['MINIGPT_CENSUS'], 'runs.txt').write_text('a run\\n')\n"
+        "```\n")
 
 
 def _drawn(chapter: Path) -> str:
@@ -142,10 +145,12 @@ def test_a_chapter_is_executed_again_only_when_its_code_or_inputs_change(
     first = run()
     journalled = tool.journal(tmp_path / "census" / "draw")
     assert len(journalled) == 1 and json.loads(journalled[0])[0] == "mm"
+    assert tool.runs_used(tmp_path / "census" / "draw") == ["a run"]
     assert "executed in" in capsys.readouterr().out
     assert run() == first  # kept: an execution would have drawn another number
     assert "kept from an execution with the same inputs" in capsys.readouterr().out
     assert tool.journal(tmp_path / "census" / "draw") == journalled  # its census written back
+    assert tool.runs_used(tmp_path / "census" / "draw") == ["a run"]  # and its kept runs
     from jupyter_cache import get_cache
     (record,) = get_cache(settings["cache"]).list_cache_records()
     assert Path(record.uri) == chapter  # where the build looks it up

@@ -17,7 +17,7 @@ from minigpt import products
 from minigpt.assets import MissingAssetError
 from minigpt.cli import main
 from minigpt.config import TrainConfig
-from minigpt.recipes import assistant, catalogue, copiers, pretrained, rewards
+from minigpt.recipes import assistant, catalogue, copiers, pretrained, rewards, runs
 from minigpt.recipes.pretrained import MANIFEST_NAME, WEIGHTS_NAME, Recipe, load_or_build
 
 TEXT = (
@@ -265,6 +265,7 @@ def test_the_command_has_help(capsys):
     ("minigpt.recipes.assistant", assistant.ASSISTANT_MODULES),
     ("minigpt.recipes.rewards", rewards.REWARDS_MODULES),
     ("minigpt.recipes.copiers", copiers.COPIER_MODULES),
+    ("minigpt.recipes.runs", runs.RUN_MODULES),
 ])
 def test_the_cache_key_hashes_every_module_that_trains(module: str,
                                                        listed: tuple[str, ...]) -> None:

@@ -291,8 +291,11 @@ def test_the_books_own_models_are_published_and_a_reader_fetches_them(
     stored = STORED_INDEX()
     assert json.loads((site / "index.json").read_text(encoding="utf-8")) == stored
     assert sorted(stored) == sorted(catalogue.MODELS)
-    assert len(list(site.glob("*.safetensors"))) == len(list(site.glob("*.json"))) - 1 == len(
-        {e["weights_sha256"] for e in stored.values()})
+    runs = published.runs_index()
+    assert json.loads((site / "runs.json").read_text(encoding="utf-8")) == runs
+    everything = [*stored.values(), *runs.values()]
+    assert len(list(site.glob("*.safetensors"))) == len(list(site.glob("*.json"))) - 2 == len(
+        {e["weights_sha256"] for e in everything})
     # A reader with the corpus but no model fetches one model of each kind, and trains none.
     monkeypatch.setattr(published, "index", STORED_INDEX)
     reader.mkdir(parents=True)
@@ -304,4 +307,10 @@ def test_the_books_own_models_are_published_and_a_reader_fetches_them(
         for name in ("book", "sft-0", "rl-grpo-0", "copy-0"):
             info = catalogue.MODELS[name]()[2]
             assert info.fetched and published.entry(info.path) == stored[name], name
+        # and a kept run of each chapter that keeps some (minigpt.recipes.runs)
+        for chapter in sorted({e["chapter"] for e in runs.values()}):
+            key = next(k for k, e in runs.items() if e["chapter"] == chapter)
+            folder = reader / "runs" / key[:20]
+            assert published.fetch(key, folder), chapter
+            assert {"chapter": chapter, **published.entry(folder)} == runs[key]
     assert trainings == []

@@ -102,3 +102,17 @@ def test_set_up_trained_the_stored_models_bit_for_bit() -> None:
     made = load_baseline_tool().model_hashes()
     for name in sorted(stored):
         assert made[name] == stored[name], f"{name}: set-up made another model"
+
+
+@pytest.mark.book
+@pytest.mark.skipif(not LINUX_X86_64, reason="the stored sha256 are those of PyTorch's Linux "
+                    "x86-64 build; elsewhere the weights agree only to float precision")
+def test_the_chapters_used_the_stored_runs_bit_for_bit() -> None:
+    # Every kept run of a sweep the build's chapters used (trained by them, loaded from the
+    # cache or fetched) is the one stored beside their outputs: the same chapter, key,
+    # weights and record. After `make reproduce` (an empty cache) each was trained here.
+    stored = json.loads((ROOT / "tests/notebooks/runs.json").read_text(encoding="utf-8"))
+    made = load_baseline_tool().run_hashes()
+    assert sorted(made) == sorted(stored)
+    for key in sorted(stored):
+        assert made[key] == stored[key], f"{stored[key]['chapter']}: run {key[:12]} differs"

@@ -11,7 +11,9 @@ from the chapters.
 The stored outputs come with `tests/notebooks/models.json`: for every model
 set-up trains, its cache key, the sha256 and size of its weights and the sha256
 of its record (`minigpt.recipes.published`): the chapters print what those models say,
-and a published model is fetched only if it is that one. The CPU kernels are
+and a published model is fetched only if it is that one. `tests/notebooks/runs.json`
+holds the same for every kept run of a sweep the chapters train (`minigpt.recipes.runs`),
+written by `--from-build` from the build's record of the runs each chapter used. The CPU kernels are
 pinned (`minigpt.PINNED_CPU_KERNELS`), so set-up trains the same bits on every
 x86-64 CPU and a re-baseline on any of them changes nothing.
 
@@ -51,6 +53,7 @@ from nbclient import NotebookClient
 # environment, which every kernel it starts inherits.
 from minigpt.recipes import published
 from minigpt.recipes.catalogue import MODELS
+from minigpt.recipes.runs import RUNS_JOURNAL, run_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 TOC = ROOT / "_toc.yml"
@@ -64,6 +67,11 @@ HASH_SEED = "0"  # the same in the build, in nbval and here (set iteration order
 #: The sha256 of every cached model's weights, as set-up trained them: a re-baseline writes
 #: it, tests/test_reproducible.py checks the cache against it.
 MODEL_HASHES = STORED_DIR / "models.json"
+#: key -> what each kept run the chapters train must be (`minigpt.recipes.runs`).
+RUN_HASHES = STORED_DIR / "runs.json"
+#: Where `make book` records what each chapter's execution computed and which kept runs it
+#: used (``MINIGPT_CENSUS``): one folder a chapter.
+CENSUS = ROOT / "_build" / "census"
 #: The execution cache the site's build fills (_config.yml's execute.cache).
 BUILD_CACHE = ROOT / "_build" / ".jupyter_cache"
 
@@ -207,6 +215,25 @@ def model_hashes() -> dict[str, dict[str, Any]]:
     return {name: published.entry(load()[2].path) for name, load in MODELS.items()}
 
 
+def run_hashes(census: Path = CENSUS) -> dict[str, dict[str, Any]]:
+    """key -> the chapter and what a published copy must be (`minigpt.recipes.published.entry`)
+    of every kept run the last `make book` used, as its chapters journalled them
+    (``runs.txt`` in each chapter's census folder), read from the cache (each run was loaded
+    and verified by its chapter)."""
+    journals = sorted(census.glob(f"*/{RUNS_JOURNAL}"))
+    if not journals:
+        raise SystemExit(f"no chapter's list of kept runs in {census}: run `make book` first")
+    return {key: {"chapter": path.parent.name, **published.entry(run_folder(key))}
+            for path in journals for key in path.read_text(encoding="utf-8").splitlines()}
+
+
+def store_run_hashes() -> Path:
+    """Write `run_hashes()` to `RUN_HASHES`."""
+    text = json.dumps(run_hashes(), indent=1, sort_keys=True) + "\n"
+    RUN_HASHES.write_text(text, encoding="utf-8")
+    return RUN_HASHES
+
+
 def store_model_hashes() -> Path:
     """Write `model_hashes()` to `MODEL_HASHES`."""
     text = json.dumps(model_hashes(), indent=1, sort_keys=True) + "\n"
@@ -276,6 +303,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     chapters = _select(args.chapters) if args.chapters else notebook_chapters()
     print(store_model_hashes().relative_to(ROOT))
+    if args.from_build and not args.chapters:  # the runs the whole build used
+        print(store_run_hashes().relative_to(ROOT))
     for chapter in chapters:
         start = time.perf_counter()
         if args.from_build:

@@ -23,8 +23,8 @@ execution reads (`memo_key`): its code cells (not its prose), the package's code
 comments or docstrings, as the cached models' keys read it), the book's data files, the
 stored models' hashes, the installed distributions, Python, the machine, the environment
 variables that steer the kernels, and this tool. With the executed notebook it keeps the
-census of matrix products the kernel journalled, which it writes back into the build's census
-folder. `--fresh` executes every chapter whatever is kept, and an empty cache (as `make
+census of matrix products the kernel journalled and the list of the kept runs it used
+(`minigpt.recipes.runs`), which it writes back into the build's census folder. `--fresh` executes every chapter whatever is kept, and an empty cache (as `make
 reproduce` has) keeps nothing.
 """
 
@@ -41,6 +41,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from minigpt.recipes.runs import RUNS_JOURNAL
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baseline  # noqa: E402  (tools/baseline.py: the chapter list and the hash seed)
@@ -126,6 +128,13 @@ def journal(folder: Path) -> list[str]:
             for line in path.read_text(encoding="utf-8").splitlines()]
 
 
+def runs_used(folder: Path) -> list[str]:
+    """The keys of the kept runs (`minigpt.recipes.runs`) the chapter journalled into
+    ``folder``, in the order it used them."""
+    path = folder / RUNS_JOURNAL
+    return path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
+
+
 def longest_first(chapters: list[Path]) -> list[Path]:
     return sorted(chapters, key=lambda c: -MEASURED_SECONDS.get(c.stem, 0))
 
@@ -205,6 +214,8 @@ def run(chapters: list[Path], settings: dict[str, Any], jobs: int = 2, fresh: bo
         if journalled is not None:
             (journalled / "kept.jsonl").write_text(
                 "".join(line + "\n" for line in record["census"]), encoding="utf-8")
+            (journalled / RUNS_JOURNAL).write_text(
+                "".join(line + "\n" for line in record["runs"]), encoding="utf-8")
         print(f"{chapter.relative_to(root)}: kept from an execution with the same inputs "
               f"({record['seconds']:.1f} s)", flush=True)
     with ProcessPoolExecutor(max_workers=jobs) as pool:
@@ -230,7 +241,8 @@ def run(chapters: list[Path], settings: dict[str, Any], jobs: int = 2, fresh: bo
                 store(chapter, nb, seconds)
                 kept.keep("chapters", chapter.stem, keys[chapter], {
                     "seconds": seconds, "notebook": nb,
-                    "census": [] if journalled is None else journal(journalled)})
+                    "census": [] if journalled is None else journal(journalled),
+                    "runs": [] if journalled is None else runs_used(journalled)})
                 print(f"{name}: executed in {seconds:.1f} s", flush=True)
     print(f"{len(chapters)} chapters in {time.perf_counter() - start:.1f} s "
           f"({jobs} at a time)", flush=True)

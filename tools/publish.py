@@ -10,7 +10,8 @@ the folder (`minigpt.recipes.published.publish`): ``<weights sha256>.safetensors
 serves models its chapters were not made with (``--unless-stale``: nor fails). `make book`
 runs it, so the site the workflow publishes carries its models; a reader's set-up then
 fetches from there (`minigpt.recipes.published`). Files are hard links into the cache where it can
-(no second copy), else copies.
+(no second copy), else copies. The chapters' kept runs (`minigpt.recipes.runs`) listed in
+`tests/notebooks/runs.json` are published the same way, with a ``runs.json`` of them.
 """
 
 from __future__ import annotations
@@ -20,8 +21,11 @@ import json
 import sys
 from pathlib import Path
 
+from minigpt.files import MANIFEST_NAME
 from minigpt.recipes import published
 from minigpt.recipes.catalogue import MODELS
+from minigpt.recipes.pretrained import plural
+from minigpt.recipes.runs import run_folder
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,12 +50,27 @@ def main(argv: list[str] | None = None) -> int:
               f"{published.INDEX.relative_to(published.ROOT)} (the cache holds other models "
               "than the chapters were made with)", file=sys.stderr)
         return 0 if args.unless_stale else 1
+    runs = published.runs_index()
+    kept = {key: run_folder(key) for key in runs}
+    stale = [key for key, folder in kept.items() if not (folder / MANIFEST_NAME).is_file()
+             or {"chapter": runs[key]["chapter"], **published.entry(folder)} != runs[key]]
+    if stale:  # the chapters' runs of the cache are not those of the stored outputs
+        print(f"{plural(len(stale), 'kept run')} not published: missing from the cache or "
+              f"not the one {published.RUNS.relative_to(published.ROOT)} holds (build the book "
+              "first: its chapters keep their runs)", file=sys.stderr)
+        return 0 if args.unless_stale else 1
     for name, folder in folders.items():
         published.publish(folder, args.folder, index[name])
+    for key, folder in kept.items():
+        published.publish(folder, args.folder, runs[key])
     (args.folder / "index.json").write_text(json.dumps(index, indent=1, sort_keys=True) + "\n",
                                             encoding="utf-8")
+    (args.folder / "runs.json").write_text(json.dumps(runs, indent=1, sort_keys=True) + "\n",
+                                           encoding="utf-8")
     size = sum(e["weights_bytes"] for e in index.values())
-    print(f"{len(index)} models ({size / 1e6:.1f} MB) published in {args.folder}")
+    run_size = sum(e["weights_bytes"] for e in runs.values())
+    print(f"{len(index)} models ({size / 1e6:.1f} MB) and {plural(len(runs), 'kept run')} "
+          f"({run_size / 1e6:.1f} MB) published in {args.folder}")
     return 0
 
 

@@ -16,15 +16,20 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
+from minigpt import products
 from minigpt.config import GPTConfig, TrainConfig
 from minigpt.train import TrainResult, train
+
+#: A run: the model to build and how to train it.
+Run = tuple[GPTConfig, TrainConfig]
 
 _DATA: dict[str, np.ndarray] = {}  # each worker's copy of the token ids, sent once
 
@@ -34,8 +39,25 @@ def _start_worker(train_data: np.ndarray, val_data: np.ndarray) -> None:
     _DATA["train"], _DATA["val"] = train_data, val_data
 
 
-def _run(run: tuple[GPTConfig, TrainConfig]) -> TrainResult:
+def _run(run: Run) -> TrainResult:
     return train(*run, _DATA["train"], _DATA["val"], progress=False)
+
+
+def _run_recorded(run: Run) -> tuple[TrainResult, list[Any]]:
+    with products.census() as calls:
+        result = train(*run, _DATA["train"], _DATA["val"], progress=False)
+    return result, calls
+
+
+def check_runs(runs: Sequence[Run]) -> list[Run]:
+    """``runs`` as a list, each checked to be a (GPTConfig, TrainConfig) pair."""
+    runs = list(runs)
+    for i, run in enumerate(runs):
+        if (not isinstance(run, tuple) or len(run) != 2 or not isinstance(run[0], GPTConfig)
+                or not isinstance(run[1], TrainConfig)):
+            raise TypeError(f"run {i} is {run!r}: each run must be a (GPTConfig, "
+                            "TrainConfig) pair")
+    return runs
 
 
 class RunPool:
@@ -45,7 +67,8 @@ class RunPool:
     thread, on the token ids given here (sent to each process once); ``workers=1`` trains
     in this process, one run after the other. New processes are started (not forked), so
     this works the same on every system and inside Jupyter; each pays for importing torch
-    once (a second or two), which is why a pool is kept for a whole sweep.
+    once (a second or two), which is why a pool is kept for a whole sweep. The processes
+    start when the pool first trains.
     """
 
     def __init__(self, train_data: np.ndarray, val_data: np.ndarray, *,
@@ -62,26 +85,35 @@ class RunPool:
                 workers, mp_context=multiprocessing.get_context("spawn"),
                 initializer=_start_worker, initargs=self._data)
 
-    def train(self, runs: Sequence[tuple[GPTConfig, TrainConfig]]) -> list[TrainResult]:
+    @property
+    def data(self) -> tuple[np.ndarray, np.ndarray]:
+        """The training and held-out token ids the runs train on."""
+        return self._data
+
+    def train(self, runs: Sequence[Run]) -> list[TrainResult]:
         """Train each (model config, training config) pair from scratch; results in order,
         each exactly what `train` on that pair with one thread returns."""
+        return self._map(_run, runs)
+
+    def train_recorded(self, runs: Sequence[Run]) -> list[tuple[TrainResult, list[Any]]]:
+        """`train`, each result with the census of the matrix products its training computed
+        (`minigpt.products.census`): what a kept run records (`minigpt.recipes.runs`)."""
+        return self._map(_run_recorded, runs)
+
+    def _map(self, function: Callable[[Run], Any], runs: Sequence[Run]) -> list[Any]:
         if self._closed:
             raise RuntimeError("this RunPool is closed: make a new one to train more runs")
-        runs = list(runs)
-        for i, run in enumerate(runs):
-            if (not isinstance(run, tuple) or len(run) != 2
-                    or not isinstance(run[0], GPTConfig)
-                    or not isinstance(run[1], TrainConfig)):
-                raise TypeError(f"run {i} is {run!r}: each run must be a (GPTConfig, "
-                                "TrainConfig) pair")
+        runs = check_runs(runs)
         if self._pool is None:
             threads = torch.get_num_threads()
             torch.set_num_threads(1)
+            _DATA["train"], _DATA["val"] = self._data
             try:
-                return [train(*run, *self._data, progress=False) for run in runs]
+                return [function(run) for run in runs]
             finally:
                 torch.set_num_threads(threads)
-        return list(self._pool.map(_run, runs))
+                _DATA.clear()
+        return list(self._pool.map(function, runs))
 
     def close(self) -> None:
         """Stop the processes (a pool that is closed cannot train again)."""
@@ -98,7 +130,7 @@ class RunPool:
         self.close()
 
 
-def train_many(runs: Sequence[tuple[GPTConfig, TrainConfig]], train_data: np.ndarray,
+def train_many(runs: Sequence[Run], train_data: np.ndarray,
                val_data: np.ndarray, *, workers: int | None = None) -> list[TrainResult]:
     """`RunPool.train` on a pool made for these runs alone (at most one process per run)."""
     runs = list(runs)

@@ -10,6 +10,7 @@ every x86-64 CPU:
 * `assistant`: the modern model taught to answer (SFT) and to prefer (DPO);
 * `rewards`: the runs of the chapter on learning from rewards;
 * `copiers`: the small models trained where copying pays (the inside-the-model chapter);
+* `runs`: the chapters' sweeps and ablations, each run kept like a model;
 * `catalogue`: every model by name; `published`: the models fetched from the book's site,
   verified; `export`: the playground's ONNX models; `ledger`: where set-up's CPU time goes.
 """

@@ -7,6 +7,8 @@ of them (`tools/publish.py`) in a folder ``models/`` beside the pages:
     <weights sha256>.safetensors   the weights, as the cache holds them (tensors only)
     <record sha256>.json           the model's manifest (`record_sha256`)
     index.json                     name -> what tests/notebooks/models.json holds for it
+    runs.json                      the chapters' kept runs (`minigpt.recipes.runs`), published
+                                   the same way: key -> what tests/notebooks/runs.json holds
 
 What a fetched model must be is never read from the server: the repository's
 `tests/notebooks/models.json` (`INDEX`) holds, for each model, the cache key it was trained
@@ -54,6 +56,9 @@ log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[3]  # src/minigpt/recipes/published.py
 #: What each published model must be: name -> key, weights' sha256 and size, record's sha256.
 INDEX = ROOT / "tests" / "notebooks" / "models.json"
+#: What each published run of a chapter must be (`minigpt.recipes.runs`): key -> its chapter,
+#: weights' sha256 and size, record's sha256.
+RUNS = ROOT / "tests" / "notebooks" / "runs.json"
 CONFIG = ROOT / "_config.yml"
 #: The environment variable that says where the published models are, or ``off``.
 URL_VARIABLE = "MINIGPT_MODELS_URL"
@@ -103,6 +108,27 @@ def index() -> dict[str, dict[str, Any]]:
     return stored
 
 
+def runs_index() -> dict[str, dict[str, Any]]:
+    """`RUNS`: key -> the chapter that trains the run, and its `entry`; empty outside a clone
+    of the book."""
+    if not RUNS.is_file():
+        return {}
+    stored: dict[str, dict[str, Any]] = json.loads(RUNS.read_text(encoding="utf-8"))
+    return stored
+
+
+def _expected(key: str) -> tuple[str, dict[str, Any], str] | None:
+    """What the stored indexes say the model or run of cache key ``key`` must be, a name for
+    it and the index that says so; None if neither holds it."""
+    found = [(f"{name} model", e, "tests/notebooks/models.json")
+             for name, e in index().items() if e["key"] == key]
+    if found:
+        return found[0]
+    run = runs_index().get(key)
+    return None if run is None else (f"{run['chapter']} chapter's run {key[:12]}", run,
+                                     "tests/notebooks/runs.json")
+
+
 def base_url() -> str | None:
     """Where the published models are (no trailing slash), or None: fetch nothing."""
     given = os.environ.get(URL_VARIABLE)
@@ -134,10 +160,10 @@ def fetch(key: str, folder: Path, *, progress: bool = False,
     url = base_url()
     if url is None:
         return False
-    found = [(name, e) for name, e in index().items() if e["key"] == key]
-    if not found:
+    found = _expected(key)
+    if found is None:
         return False
-    name, expected = found[0]
+    name, expected, stored = found
     partial = None
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
@@ -146,8 +172,8 @@ def fetch(key: str, folder: Path, *, progress: bool = False,
         partial = Path(tmp)
         weights_url = f"{url}/{expected['weights_sha256']}.safetensors"
         _download(weights_url, partial, expected["weights_sha256"], expected["weights_bytes"],
-                  label=f"{name} model", progress=progress)
-        manifest = _manifest(f"{url}/{expected['record_sha256']}.json", key, expected)
+                  label=name, progress=progress, stored=stored)
+        manifest = _manifest(f"{url}/{expected['record_sha256']}.json", key, expected, stored)
         if folder.exists():
             shutil.rmtree(folder)  # whatever was there was found unusable
         folder.mkdir(parents=True)
@@ -155,18 +181,18 @@ def fetch(key: str, folder: Path, *, progress: bool = False,
         partial = None
         atomic_write(folder / MANIFEST_NAME, (json.dumps(manifest, indent=1) + "\n").encode())
     except FetchError as why:
-        say(f"the {name} model is not fetched: {why}; it is trained instead")
+        say(f"the {name} is not fetched: {why}; it is trained instead")
         return False
     finally:
         if partial is not None:
             partial.unlink(missing_ok=True)
-    say(f"the {name} model is fetched from {url} ({expected['weights_bytes'] / 1e6:.1f} MB), "
-        "its sha256 the one tests/notebooks/models.json holds")
+    say(f"the {name} is fetched from {url} ({expected['weights_bytes'] / 1e6:.1f} MB), "
+        f"its sha256 the one {stored} holds")
     return True
 
 
 def _download(url: str, path: Path, sha256: str, size: int, *, label: str,
-              progress: bool) -> None:
+              progress: bool, stored: str) -> None:
     """Write what ``url`` serves to ``path``, hashing it as it arrives; `FetchError` unless
     it is ``size`` bytes of sha256 ``sha256``."""
     digest, got = hashlib.sha256(), 0
@@ -184,10 +210,10 @@ def _download(url: str, path: Path, sha256: str, size: int, *, label: str,
         raise FetchError(f"{url} ended after {got:,} of {size:,} bytes (truncated)")
     if digest.hexdigest() != sha256:
         raise FetchError(f"{url} has sha256 {digest.hexdigest()[:12]}..., not the "
-                         f"{sha256[:12]}... that tests/notebooks/models.json holds")
+                         f"{sha256[:12]}... that {stored} holds")
 
 
-def _manifest(url: str, key: str, expected: dict[str, Any]) -> dict[str, Any]:
+def _manifest(url: str, key: str, expected: dict[str, Any], stored: str) -> dict[str, Any]:
     """The manifest ``url`` serves, if it is the record `INDEX` holds for ``key``."""
     with _answers(url) as response:
         data = b""
@@ -200,11 +226,10 @@ def _manifest(url: str, key: str, expected: dict[str, Any]) -> dict[str, Any]:
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise FetchError(f"{url} is not a JSON manifest ({type(err).__name__})") from None
     if not isinstance(manifest, dict) or record_sha256(manifest) != expected["record_sha256"]:
-        raise FetchError(f"{url} is not the record that tests/notebooks/models.json holds "
-                         "(its sha256 differs)")
+        raise FetchError(f"{url} is not the record that {stored} holds (its sha256 differs)")
     if manifest.get("key") != key or manifest.get("weights_sha256") != expected["weights_sha256"]:
-        raise FetchError(f"{url} is the record of another model than its entry in "
-                         "tests/notebooks/models.json (key or weights differ)")
+        raise FetchError(f"{url} is the record of another model than its entry in {stored} "
+                         "(key or weights differ)")
     return manifest
 
 
