@@ -20,7 +20,8 @@ if the hash, the size and the record all match; it is then written to the cache 
 trained model would be (weights first, manifest last, each atomically). Anything else (no
 site configured, fetching turned off, the server unreachable or silent, a file missing,
 truncated or not the one expected) is said, in one line, and `fetch` returns False: the
-model is trained, as it would be without a site. Nothing half-written stays in the cache.
+model is trained, as it would be without a site. A site that does not answer at all is not
+asked again by the same process. Nothing half-written stays in the cache.
 
 Where from: ``$MINIGPT_MODELS_URL``, an ``http://``, ``https://`` or ``file://`` address of
 such a folder, or ``off``; unset, the book's own site: `_config.yml`'s ``repository.url``
@@ -75,6 +76,16 @@ VOLATILE = {"metrics": ("median_step_ms", "tokens_per_second", "train_seconds",
 
 class FetchError(RuntimeError):
     """Why a published model is not used (said in one line, then the model is trained)."""
+
+
+class Unreachable(FetchError):
+    """The site did not answer at all (refused, unresolved, silent): asking it again for the
+    next model would only wait again."""
+
+
+#: The sites this process found unreachable: nothing more is asked of them (a chapter that
+#: fetches dozens of runs from a site that hangs waits `TIMEOUT` once, not once a run).
+_UNREACHABLE: set[str] = set()
 
 
 def record(manifest: dict[str, Any]) -> dict[str, Any]:
@@ -161,7 +172,7 @@ def fetch(key: str, folder: Path, *, progress: bool = False,
     if url is None:
         return False
     found = _expected(key)
-    if found is None:
+    if found is None or url in _UNREACHABLE:
         return False
     name, expected, stored = found
     partial = None
@@ -181,7 +192,10 @@ def fetch(key: str, folder: Path, *, progress: bool = False,
         partial = None
         atomic_write(folder / MANIFEST_NAME, (json.dumps(manifest, indent=1) + "\n").encode())
     except FetchError as why:
-        say(f"the {name} is not fetched: {why}; it is trained instead")
+        if isinstance(why, Unreachable):
+            _UNREACHABLE.add(url)
+        later = "; nothing more is fetched from there" if isinstance(why, Unreachable) else ""
+        say(f"the {name} is not fetched: {why}; it is trained instead{later}")
         return False
     finally:
         if partial is not None:
@@ -241,12 +255,12 @@ def _answers(url: str) -> Any:
         raise FetchError(f"{url} answered HTTP {err.code} ({err.reason})") from None
     except urllib.error.URLError as err:
         if isinstance(err.reason, TimeoutError | socket.timeout):
-            raise FetchError(f"{url} did not answer within {TIMEOUT:g} s") from None
-        raise FetchError(f"{url} is unreachable ({err.reason})") from None
+            raise Unreachable(f"{url} did not answer within {TIMEOUT:g} s") from None
+        raise Unreachable(f"{url} is unreachable ({err.reason})") from None
     except TimeoutError:
-        raise FetchError(f"{url} did not answer within {TIMEOUT:g} s") from None
+        raise Unreachable(f"{url} did not answer within {TIMEOUT:g} s") from None
     except (OSError, http.client.HTTPException) as err:
-        raise FetchError(f"{url} is unreachable ({type(err).__name__}: {err})") from None
+        raise Unreachable(f"{url} is unreachable ({type(err).__name__}: {err})") from None
 
 
 def _read(response: Any, url: str) -> bytes:
