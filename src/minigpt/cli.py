@@ -141,6 +141,7 @@ natural = value(int, Field(ge=0))  # 0, 1, ...
 positive = value(float, Field(gt=0, allow_inf_nan=False))
 nonnegative = value(float, Field(ge=0, allow_inf_nan=False))
 fraction = value(float, Field(ge=0, lt=1))  # [0, 1)
+port = value(int, Field(ge=1, le=65535))
 
 
 def device(text: str) -> str:
@@ -186,19 +187,17 @@ def add_train(commands: argparse._SubParsersAction[Parser]) -> None:
                 "nanoGPT's CPU recipe for character-level Shakespeare)")
     on_off = argparse.BooleanOptionalAction
     r = p.add_argument_group("run")
-    r.add_argument("--out", type=Path, required=True,
-                   help="folder of checkpoint.pt, metrics.json, history.json, the ids")
+    r.add_argument("--out", type=Path, required=True, help="folder of the run: checkpoint.pt, "
+                   "metrics.json, history.json, the ids")
     r.add_argument("--resume", action="store_true", help="continue the run in --out with its "
                    "own settings (--max-steps and --device may change)")
     r.add_argument("--stop-at", type=natural, help="stop (and checkpoint) at this step")
     r.add_argument("--threads", type=count, help="torch threads (default: PyTorch's)")
-    r.add_argument("--compile", action="store_true", help="torch.compile the steps (needs a "
-                   "C++ compiler)")
+    r.add_argument("--compile", action="store_true", help="torch.compile (needs a C++ compiler)")
     r.add_argument("--progress", action=on_off, default=True,
                    help="show a progress bar (default: %(default)s)")
     r.add_argument("--nproc-per-node", type=count, help="processes to start (torchrun)")
-    r.add_argument("--master-port", type=value(int, Field(ge=1, le=65535)),
-                   help="their port on 127.0.0.1 (default: free)")
+    r.add_argument("--master-port", type=port, help="their port on 127.0.0.1 (default: free)")
     r.add_argument("--backend", choices=("gloo", "nccl"), help="default: nccl on CUDA, gloo")
     n = p.add_argument_group("a new run (not with --resume)")
     n.add_argument("--text", type=Path, help="UTF-8 text (default: Shakespeare's plays)")
@@ -208,8 +207,8 @@ def add_train(commands: argparse._SubParsersAction[Parser]) -> None:
                    help=f"V of --tokenizer bpe (default: {DEFAULT_BPE_VOCAB_SIZE})")
     n.add_argument("--recipe", choices=("gpt2", "modern"), default="gpt2", help="modern: the "
                    "modern layout and training under the flags given (default: %(default)s)")
-    n.add_argument("--global-batch-size", type=count,
-                   help="sequences a step sees over all the processes; sets --grad-accum")
+    n.add_argument("--global-batch-size", type=count, help="sets --grad-accum: sequences a "
+                   "step sees over all the processes")
     # A model or optimisation flag not given is None: the recipe's preset fills in its field.
     c = GPTConfig.shakespeare_cpu(vocab_size=65)
     m = p.add_argument_group("model: GPTConfig's fields (default: GPTConfig.shakespeare_cpu; "
@@ -248,8 +247,7 @@ def add_train(commands: argparse._SubParsersAction[Parser]) -> None:
                    help=f"micro-batches a step (default: {t.grad_accum})")
     o.add_argument("--max-steps", type=natural, help=f"optimiser steps (default: {t.max_steps})")
     o.add_argument("--lr", type=positive, help=f"peak learning rate (default: {t.lr})")
-    o.add_argument("--min-lr", type=nonnegative,
-                   help=f"the rate decayed to (default: {t.min_lr})")
+    o.add_argument("--min-lr", type=nonnegative, help=f"the rate decayed to (default: {t.min_lr})")
     o.add_argument("--warmup-steps", type=natural,
                    help=f"linear warm-up (default: {t.warmup_steps}, or --decay-steps if fewer)")
     o.add_argument("--decay-steps", type=natural,
@@ -276,7 +274,6 @@ def add_train(commands: argparse._SubParsersAction[Parser]) -> None:
                    help=f"after the warm-up (default: {t.schedule})")
     o.add_argument("--cooldown-fraction", type=value(float, Field(gt=0, le=1)),
                    help=f"the trapezoid's, of --decay-steps (default: {t.cooldown_fraction})")
-
 
 #: The flags `train --resume` takes: the run's other settings are its checkpoint's.
 RESUMABLE = {"--out", "--resume", "--stop-at", "--threads", "--compile", "--progress",
