@@ -55,8 +55,6 @@ from minigpt.sample import SampleSettings, load_model, sample_texts
 from minigpt.tokenizer import CHAT_TOKENS, KINDS, Tokenizer
 from minigpt.train import METRICS_NAME, saved_settings, train, with_global_batch, write_metrics
 
-FAILURES = (OSError, ValueError, parallel.DistributedError, assets.AssetError)
-
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m minigpt COMMAND ...`: returns the exit status."""
@@ -71,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         print(heading(f"minigpt {argv[0]}"), "; ".join(str(e.get("ctx", {}).get(
             "error", e["msg"])) for e in err.errors()), file=sys.stderr)
         return 2
-    except FAILURES as err:
+    except (OSError, ValueError, parallel.DistributedError, assets.AssetError) as err:
         print(heading(f"minigpt {argv[0]}"), err, file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -170,6 +168,19 @@ def given(**values: Any) -> dict[str, Any]:
 def keyword_default(function: Callable[..., Any], name: str) -> Any:
     """The default of ``function``'s keyword ``name``: a flag that passes it on keeps it."""
     return inspect.signature(function).parameters[name].default
+
+
+@contextmanager
+def processes(n_threads: int | None, device: str, backend: str | None = None,
+              ) -> Iterator[parallel.DistContext]:
+    """This process's place in the run (torchrun's group, if any, joined on ``device``), left
+    after; ``n_threads`` torch threads for it (`threads`)."""
+    with threads(n_threads):
+        ctx = parallel.init_distributed(device, backend)
+        try:
+            yield ctx
+        finally:
+            parallel.shutdown(ctx)
 
 
 def threads(n: int | None) -> AbstractContextManager[None]:
@@ -309,35 +320,28 @@ def train_command(args: argparse.Namespace, argv: list[str]) -> int:
             cooldown_fraction=args.cooldown_fraction))
     if args.nproc_per_node is not None and "RANK" not in os.environ:
         return launch(args, config, argv)
-    with threads(args.threads):
-        text, source = None, None
+    source: str | None = None  # a new run's text, named
+    with processes(args.threads, config.device, args.backend) as ctx:
+        config = with_global_batch(config, args.global_batch_size, ctx.world_size)
         if not args.resume:
             shape, tokenizer, text, source = new_model(args)
-        ctx = parallel.init_distributed(config.device, args.backend)
-        try:
-            config = with_global_batch(config, args.global_batch_size, ctx.world_size)
-            if text is not None and tokenizer is not None and ctx.is_main:
-                data.prepare_dataset(text, tokenizer, args.out)
-            parallel.barrier(ctx)  # the id files exist before any rank reads them
-            train_ids, val_ids = (data.load_ids(args.out / f"{s}.bin") for s in ("train", "val"))
-            result = train(shape, config, train_ids, val_ids, tokenizer=tokenizer,
-                           out_dir=args.out, resume=args.resume, stop_at=args.stop_at, ctx=ctx,
-                           compile=args.compile, progress=args.progress,
-                           log=tqdm.write if ctx.is_main else None)
             if ctx.is_main:
-                m = write_metrics(args.out, result, config, val_ids, text=source,
-                                  train_tokens=len(train_ids),
-                                  tokenizer=tokenizer and tokenizer.name)
-                print(f"step {m['steps']}: val loss {m['final_val_loss']:.4f} (whole split: "
-                      f"{m['final_val_loss_full']:.4f}); " if m["final_val_loss"] is not None
-                      else "", f"median {m['median_step_ms']:.1f} ms/step, "
-                      f"{m['tokens_per_second']:,.0f} tokens/s" if m["median_step_ms"]
-                      is not None else "no steps run", f"; wrote {args.out / CHECKPOINT_NAME} "
-                      f"and {args.out / METRICS_NAME}", sep="")
-        finally:
-            parallel.shutdown(ctx)
+                data.prepare_dataset(text, tokenizer, args.out)
+        parallel.barrier(ctx)  # the id files exist before any rank reads them
+        train_ids, val_ids = (data.load_ids(args.out / f"{s}.bin") for s in ("train", "val"))
+        result = train(shape, config, train_ids, val_ids, tokenizer=tokenizer, out_dir=args.out,
+                       resume=args.resume, stop_at=args.stop_at, ctx=ctx, compile=args.compile,
+                       progress=args.progress, log=tqdm.write if ctx.is_main else None)
+        if not ctx.is_main:
+            return 0
+        m = write_metrics(args.out, result, config, val_ids, text=source, train_tokens=len(
+            train_ids), tokenizer=tokenizer and tokenizer.name)
+    loss = (f"step {m['steps']}: val loss {m['final_val_loss']:.4f} (whole split: "
+            f"{m['final_val_loss_full']:.4f}); ") if m["final_val_loss"] is not None else ""
+    pace = (f"median {m['median_step_ms']:.1f} ms/step, {m['tokens_per_second']:,.0f} tokens/s"
+            if m["median_step_ms"] is not None else "no steps run")
+    print(f"{loss}{pace}; wrote {args.out / CHECKPOINT_NAME} and {args.out / METRICS_NAME}")
     return 0
-
 
 def new_model(args: argparse.Namespace) -> tuple[GPTConfig, Tokenizer, str, str]:
     """A new run's model settings, tokenizer, text and the text's source."""
@@ -355,9 +359,6 @@ def new_model(args: argparse.Namespace) -> tuple[GPTConfig, Tokenizer, str, str]
         norm_weight=args.norm_weight, qk_norm=args.qk_norm, n_kv_heads=args.n_kv_heads,
         rope_base=args.rope_base, zero_init=args.zero_init))
     return shape, tokenizer, text, source
-
-
-LAUNCHER_FLAGS = ("--nproc-per-node", "--master-port")
 
 
 def launch(args: argparse.Namespace, config: TrainConfig, argv: list[str]) -> int:
@@ -380,8 +381,9 @@ def launch(args: argparse.Namespace, config: TrainConfig, argv: list[str]) -> in
     if args.master_port is not None:
         parallel.check_port(args.master_port)
         where = ["--master-addr=127.0.0.1", f"--master-port={args.master_port}"]
-    rest = [a for i, a in enumerate(argv) if not a.startswith(LAUNCHER_FLAGS)
-            and not (i and argv[i - 1] in LAUNCHER_FLAGS)]
+    own = ("--nproc-per-node", "--master-port")  # the launcher's: not the processes'
+    rest = [a for i, a in enumerate(argv) if not a.startswith(own)
+            and not (i and argv[i - 1] in own)]
     try:
         torchrun(parse_args([*where, f"--nproc-per-node={n}", "-m", "minigpt", "train",  # type: ignore[no-untyped-call]
                              *rest]))
@@ -509,17 +511,6 @@ def tuning_config(recipe: dict[str, Any], args: argparse.Namespace) -> TrainConf
         device=args.device, warmup_steps=min(recipe["warmup_steps"], args.steps))))
 
 
-@contextmanager
-def processes(args: argparse.Namespace) -> Iterator[parallel.DistContext]:
-    """This process's place in the run (torchrun's group, if any), left after; --threads."""
-    with threads(args.threads):
-        ctx = parallel.init_distributed(args.device)
-        try:
-            yield ctx
-        finally:
-            parallel.shutdown(ctx)
-
-
 def write_run(out: Path, metrics: dict[str, Any]) -> None:
     atomic_write(out / METRICS_NAME, (json.dumps(metrics, indent=1) + "\n").encode())
     print(json.dumps(metrics["exact_match"]))
@@ -545,7 +536,7 @@ def add_sft(commands: argparse._SubParsersAction[Parser]) -> None:
 
 def sft_command(args: argparse.Namespace, argv: list[str]) -> int:
     # Joining the process group first gives each rank its GPU (cuda:LOCAL_RANK) to load onto.
-    with processes(args) as ctx:
+    with processes(args.threads, args.device) as ctx:
         base, tokenizer, name, _ = load_any(args, ctx.device)
         if CHAT_TOKENS[0] in tokenizer.special_tokens:
             raise ValueError(f"{name} already has the chat tokens; sft starts from a base model")
@@ -578,7 +569,7 @@ def add_dpo(commands: argparse._SubParsersAction[Parser]) -> None:
 
 def dpo_command(args: argparse.Namespace, argv: list[str]) -> int:
     # As sft: the policy, and the frozen reference copied from it, on this rank's GPU.
-    with processes(args) as ctx:
+    with processes(args.threads, args.device) as ctx:
         policy, tokenizer, name, _ = load_any(args, ctx.device)
         require_chat(tokenizer, name)
         _, tasks = text_and_tasks(args)
@@ -613,10 +604,6 @@ def add_rl(commands: argparse._SubParsersAction[Parser]) -> None:
     p.add_argument("--out", type=Path, help="write checkpoint.pt and metrics.json here")
     p.add_argument("--json", type=Path, help="append the run's numbers here, one line")
     p.add_argument("--threads", type=count, help="torch threads (default: PyTorch's)")
-
-
-#: The words whose answers `rl` prints, when they are evaluated.
-SHOWN = ("terror", "metaphor", "night")
 
 
 def rl_command(args: argparse.Namespace, argv: list[str]) -> int:
@@ -658,7 +645,8 @@ def rl_command(args: argparse.Namespace, argv: list[str]) -> int:
     print(f"held-out rhymes: pass@1 {row['pass@1']:.3f}, pass@8 {row['pass@8']:.3f}, "
           f"greedy {row['greedy']:.3f}; older families' exact match "
           f"{json.dumps({f: round(v, 3) for f, v in row['old_exact_match'].items()})}")
-    for word in [w for w in SHOWN if w in ev["words"]] or ev["words"][:3]:
+    shown = ("terror", "metaphor", "night")  # their answers, when they are evaluated
+    for word in [w for w in shown if w in ev["words"]] or ev["words"][:3]:
         i = ev["words"].index(word)
         print(f"{word}: greedy {ev['greedy_answers'][i]!r}; sampled {ev['answers'][i][:8]}")
     if args.json is not None:
