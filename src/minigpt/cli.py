@@ -620,20 +620,20 @@ def rl_command(args: argparse.Namespace, argv: list[str]) -> int:
     with threads(args.threads):
         model, tokenizer, name, info = load_any(args, "cpu")
         require_chat(tokenizer, name)
-        data = rewards.rewards_data(recipe)
+        tasks = rewards.rewards_data(recipe)
         if args.validation:  # as many held-out words again, none of the chapter's
-            chapter = set(data.eval_rhymes)
-            rest = [t for t in data.rhymes.test if t not in chapter]
-            data = replace(data, eval_rhymes=random.Random(4321).sample(
-                rest, len(data.eval_rhymes)))
+            chapter = set(tasks.eval_rhymes)
+            rest = [t for t in tasks.rhymes.test if t not in chapter]
+            tasks = replace(tasks, eval_rhymes=random.Random(4321).sample(
+                rest, len(tasks.eval_rhymes)))
         start = copy.deepcopy(model)
         t0, c0 = time.perf_counter(), time.process_time()
         if not cold:
             print(f"continuing {name} with {args.method} ({steps} steps)")
-            history = rewards.continue_training(model, tokenizer, args.method, data, recipe,
+            history = rewards.continue_training(model, tokenizer, args.method, tasks, recipe,
                                                 seed=args.seed, steps=steps, lr=lr)
         seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
-        ev = rewards.evaluate_run(model, start, tokenizer, data, recipe, seed=args.seed)
+        ev = rewards.evaluate_run(model, start, tokenizer, tasks, recipe, seed=args.seed)
     row = {"method": args.method, "start": name, "seed": args.seed,
            "validation": args.validation, "cold_start_key": None if info is None else info.key,
            # the key moves with any change to the code that trains; the weights only if
