@@ -382,6 +382,7 @@ def test_resume_checks_the_backend_against_the_checkpoints_device(
         (["--prompt", "é"], 1, ["cannot be encoded by the char tokenizer", "'é'"]),
         (["--prompt", ""], 2, ["--prompt: String should have at least 1 character"]),
         (["--temperature", "-1"], 2, ["--temperature: Input should be greater than or equal"]),
+        (["--temperature", "inf"], 2, ["--temperature: Input should be a finite number"]),
         (["--top-k", "0"], 2, ["--top-k: Input should be greater than or equal to 1"]),
         (["--top-k", "1000"], 1, ["top_k must lie in [1, V]"]),
         (["--top-p", "0"], 2, ["--top-p: Input should be greater than 0"]),

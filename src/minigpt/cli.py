@@ -28,11 +28,12 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any, NoReturn, get_args
 
 import torch
-from pydantic import Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 from tqdm import tqdm
 
 from minigpt import assets, data, parallel
@@ -121,13 +122,13 @@ def command(commands: argparse._SubParsersAction[Parser], name: str,
 
 # ---------------------------------------------------- the flags' types: each value's check
 
-def value(kind: Any, rules: Any) -> Callable[[str], Any]:
+def value(kind: Any, *rules: Any) -> Callable[[str], Any]:
     """An argparse type: the text as a ``kind`` that pydantic's ``rules`` allow, else an
     error saying what the flag takes and what it was given (``Input should be greater than
     0, got '-1'``)."""
     def read(text: str) -> Any:
         try:
-            return TypeAdapter(Annotated[kind, rules]).validate_python(text)
+            return TypeAdapter(Annotated[(kind, *rules)]).validate_python(text)
         except ValidationError as err:
             raise argparse.ArgumentTypeError(f"{err.errors()[0]['msg']}, got {text!r}"
                                              ) from None
@@ -137,9 +138,21 @@ def value(kind: Any, rules: Any) -> Callable[[str], Any]:
 count = value(int, Field(ge=1))  # 1, 2, ...
 natural = value(int, Field(ge=0))  # 0, 1, ...
 positive = value(float, Field(gt=0, allow_inf_nan=False))
-nonnegative = value(float, Field(ge=0, allow_inf_nan=False))
-fraction = value(float, Field(ge=0, lt=1))  # [0, 1)
 port = value(int, Field(ge=1, le=65535))
+
+
+def field(model: type[BaseModel], name: str) -> Callable[[str], Any]:
+    """A value of ``model``'s field ``name`` under the field's own rules, and finite: the flag
+    that sets `TrainConfig.lr` takes what ``lr`` takes, not ``inf``."""
+    info = model.model_fields[name]
+    kinds = (info.annotation, *get_args(info.annotation))  # float, or float | None
+    finite = Field(allow_inf_nan=False) if float in kinds else Field()
+    return value(info.annotation, info, finite)
+
+
+def literal(model: type[BaseModel], name: str) -> tuple[str, ...]:
+    """The values ``model``'s field ``name`` allows: its flag's choices."""
+    return get_args(model.model_fields[name].annotation)
 
 
 def device(text: str) -> str:
@@ -221,69 +234,72 @@ def add_train(commands: argparse._SubParsersAction[Parser]) -> None:
     n.add_argument("--global-batch-size", type=count, help="sets --grad-accum: sequences a "
                    "step sees over all the processes")
     # A model or optimisation flag not given is None: the recipe's preset fills in its field.
-    c = GPTConfig.shakespeare_cpu(vocab_size=65)
+    c, g = GPTConfig.shakespeare_cpu(vocab_size=65), partial(field, GPTConfig)
     m = p.add_argument_group("model: GPTConfig's fields (default: GPTConfig.shakespeare_cpu; "
                              "--recipe modern: .modern)")
-    m.add_argument("--context-length", type=count, help=f"T_max (default: {c.context_length})")
-    m.add_argument("--d-model", type=count, help=f"D, the width (default: {c.d_model})")
-    m.add_argument("--n-heads", type=count, help=f"H, heads a layer (default: {c.n_heads})")
-    m.add_argument("--n-layers", type=count, help=f"L, blocks (default: {c.n_layers})")
-    m.add_argument("--d-ff", type=count, help="feed-forward width (4 D; 8D/3 with swiglu)")
-    m.add_argument("--dropout", type=fraction, help=f"in [0, 1) (default: {c.dropout})")
+    m.add_argument("--context-length", type=g("context_length"),
+                   help=f"T_max (default: {c.context_length})")
+    m.add_argument("--d-model", type=g("d_model"), help=f"D, the width (default: {c.d_model})")
+    m.add_argument("--n-heads", type=g("n_heads"), help=f"H, heads a layer (default: {c.n_heads})")
+    m.add_argument("--n-layers", type=g("n_layers"), help=f"L, blocks (default: {c.n_layers})")
+    m.add_argument("--d-ff", type=g("d_ff"), help="feed-forward width (4 D; 8D/3 with swiglu)")
+    m.add_argument("--dropout", type=g("dropout"), help=f"in [0, 1) (default: {c.dropout})")
     m.add_argument("--bias", action=on_off, help=f"biases (default: {c.bias})")
     m.add_argument("--tie-weights", action=on_off,
                    help=f"the head is the token embedding (default: {c.tie_weights})")
-    m.add_argument("--positional", choices=("learned", "sinusoidal", "rope"),
+    m.add_argument("--positional", choices=literal(GPTConfig, "positional"),
                    help=f"positions (default: {c.positional})")
-    m.add_argument("--layer-norm-eps", type=positive, help=f"(default: {c.layer_norm_eps})")
-    m.add_argument("--activation", choices=("gelu_tanh", "gelu", "relu2", "swiglu"),
+    m.add_argument("--layer-norm-eps", type=g("layer_norm_eps"),
+                   help=f"(default: {c.layer_norm_eps})")
+    m.add_argument("--activation", choices=literal(GPTConfig, "activation"),
                    help=f"the feed-forward non-linearity (default: {c.activation})")
-    m.add_argument("--norm", choices=("layernorm", "rmsnorm"), help=f"(default: {c.norm})")
+    m.add_argument("--norm", choices=literal(GPTConfig, "norm"), help=f"(default: {c.norm})")
     m.add_argument("--norm-weight", action=on_off,
                    help=f"norms have a learned gain (default: {c.norm_weight})")
     m.add_argument("--qk-norm", action=on_off,
                    help=f"normalise queries and keys (default: {c.qk_norm})")
-    m.add_argument("--n-kv-heads", type=count,
+    m.add_argument("--n-kv-heads", type=g("n_kv_heads"),
                    help="key-value heads (grouped-query attention; default: --n-heads)")
-    m.add_argument("--rope-base", type=value(float, Field(gt=1, allow_inf_nan=False)),
+    m.add_argument("--rope-base", type=g("rope_base"),
                    help=f"(default: {c.rope_base})")
     m.add_argument("--zero-init", action=on_off,
                    help=f"output projections start at zero (default: {c.zero_init})")
-    t = TrainConfig()
+    t, f = TrainConfig(), partial(field, TrainConfig)
     o = p.add_argument_group("optimisation: TrainConfig's fields (default: TrainConfig(); "
                              "--recipe modern: .modern)")
-    o.add_argument("--batch-size", type=count,
+    o.add_argument("--batch-size", type=f("batch_size"),
                    help=f"B, sequences a micro-batch, per process (default: {t.batch_size})")
-    o.add_argument("--grad-accum", type=count,
+    o.add_argument("--grad-accum", type=f("grad_accum"),
                    help=f"micro-batches a step (default: {t.grad_accum})")
-    o.add_argument("--max-steps", type=natural, help=f"optimiser steps (default: {t.max_steps})")
-    o.add_argument("--lr", type=positive, help=f"peak learning rate (default: {t.lr})")
-    o.add_argument("--min-lr", type=nonnegative, help=f"the rate decayed to (default: {t.min_lr})")
-    o.add_argument("--warmup-steps", type=natural,
+    o.add_argument("--max-steps", type=f("max_steps"),
+                   help=f"optimiser steps (default: {t.max_steps})")
+    o.add_argument("--lr", type=f("lr"), help=f"peak learning rate (default: {t.lr})")
+    o.add_argument("--min-lr", type=f("min_lr"), help=f"the rate decayed to (default: {t.min_lr})")
+    o.add_argument("--warmup-steps", type=f("warmup_steps"),
                    help=f"linear warm-up (default: {t.warmup_steps}, or --decay-steps if fewer)")
-    o.add_argument("--decay-steps", type=natural,
+    o.add_argument("--decay-steps", type=f("decay_steps"),
                    help="where the schedule reaches --min-lr (default: --max-steps)")
-    o.add_argument("--weight-decay", type=nonnegative,
+    o.add_argument("--weight-decay", type=f("weight_decay"),
                    help=f"on matrices only (default: {t.weight_decay})")
-    o.add_argument("--beta1", type=fraction, help=f"AdamW's (default: {t.beta1})")
-    o.add_argument("--beta2", type=fraction, help=f"AdamW's (default: {t.beta2})")
-    o.add_argument("--grad-clip", type=nonnegative, help=f"0: none (default: {t.grad_clip})")
-    o.add_argument("--eval-interval", type=count, help="evaluate and checkpoint every this "
-                   f"many steps (default: {t.eval_interval})")
-    o.add_argument("--eval-steps", type=count,
+    o.add_argument("--beta1", type=f("beta1"), help=f"AdamW's (default: {t.beta1})")
+    o.add_argument("--beta2", type=f("beta2"), help=f"AdamW's (default: {t.beta2})")
+    o.add_argument("--grad-clip", type=f("grad_clip"), help=f"0: none (default: {t.grad_clip})")
+    o.add_argument("--eval-interval", type=f("eval_interval"), help="evaluate and checkpoint "
+                   f"every this many steps (default: {t.eval_interval})")
+    o.add_argument("--eval-steps", type=f("eval_steps"),
                    help=f"batches a split an evaluation (default: {t.eval_steps})")
     o.add_argument("--eval-full", action=on_off,
                    help=f"validate on the whole split (default: {t.eval_full})")
-    o.add_argument("--seed", type=natural, help=f"weights, batches, dropout (default: {t.seed})")
+    o.add_argument("--seed", type=f("seed"), help=f"weights, batches, dropout (default: {t.seed})")
     o.add_argument("--bf16", action=on_off, help=f"bf16 autocast (default: {t.bf16})")
     o.add_argument("--device", type=device, help=f"cpu, cuda, cuda:1, ... (default: {t.device})")
-    o.add_argument("--optimizer", choices=("adamw", "muon"),
+    o.add_argument("--optimizer", choices=literal(TrainConfig, "optimizer"),
                    help=f"muon: Muon on the hidden matrices (default: {t.optimizer})")
-    o.add_argument("--muon-lr", type=positive, help=f"Muon's peak rate (default: {t.muon_lr})")
-    o.add_argument("--muon-momentum", type=fraction, help=f"(default: {t.muon_momentum})")
-    o.add_argument("--schedule", choices=("cosine", "trapezoid"),
+    o.add_argument("--muon-lr", type=f("muon_lr"), help=f"Muon's peak rate (default: {t.muon_lr})")
+    o.add_argument("--muon-momentum", type=f("muon_momentum"), help=f"(default: {t.muon_momentum})")
+    o.add_argument("--schedule", choices=literal(TrainConfig, "schedule"),
                    help=f"after the warm-up (default: {t.schedule})")
-    o.add_argument("--cooldown-fraction", type=value(float, Field(gt=0, le=1)),
+    o.add_argument("--cooldown-fraction", type=f("cooldown_fraction"),
                    help=f"the trapezoid's, of --decay-steps (default: {t.cooldown_fraction})")
 
 #: The flags `train --resume` takes: the run's other settings are its checkpoint's.
@@ -399,30 +415,30 @@ def launch(args: argparse.Namespace, config: TrainConfig, argv: list[str]) -> in
 def add_sample(commands: argparse._SubParsersAction[Parser]) -> None:
     p = command(commands, "sample", sample_command, "continue a prompt with a trained "
                 "checkpoint")
-    s = SampleSettings.model_construct()  # the defaults
+    s, f = SampleSettings.model_construct(), partial(field, SampleSettings)  # defaults
     p.add_argument("--checkpoint", type=Path, required=True,
                    help="the --out folder of `python -m minigpt train`")
-    p.add_argument("--prompt", type=value(str, Field(min_length=1)),
+    p.add_argument("--prompt", type=f("prompt"),
                    help=f"text to continue (default: {s.prompt!r})")
-    p.add_argument("--max-new-tokens", type=natural,
+    p.add_argument("--max-new-tokens", type=f("max_new_tokens"),
                    help=f"tokens to add (default: {s.max_new_tokens})")
-    p.add_argument("--temperature", type=nonnegative, help="0 is greedy (default: 1)")
-    p.add_argument("--top-k", type=count, help="sample among the k most likely tokens only")
-    p.add_argument("--top-p", type=value(float, Field(gt=0, le=1)), help="sample among the "
+    p.add_argument("--temperature", type=f("temperature"), help="0 is greedy (default: 1)")
+    p.add_argument("--top-k", type=f("top_k"), help="sample among the k most likely tokens only")
+    p.add_argument("--top-p", type=f("top_p"), help="sample among the "
                    "fewest most likely tokens whose probabilities add up to p")
     p.add_argument("--greedy", action="store_true", help="always take the most likely token")
-    p.add_argument("--seed", type=natural, help=f"seeds the sampler (default: {s.seed})")
-    p.add_argument("--num-samples", type=count,
+    p.add_argument("--seed", type=f("seed"), help=f"seeds the sampler (default: {s.seed})")
+    p.add_argument("--num-samples", type=f("num_samples"),
                    help=f"independent continuations to print (default: {s.num_samples})")
     p.add_argument("--cache", action=argparse.BooleanOptionalAction, help="keep a key-value "
                    f"cache (--no-cache: slower, the same tokens) (default: {s.cache})")
     p.add_argument("--device", type=device, help=f"cpu, cuda, cuda:1, ... (default: {s.device})")
     search = p.add_mutually_exclusive_group()
-    search.add_argument("--beams", type=count, help="beam search with this many beams: the "
+    search.add_argument("--beams", type=f("beams"), help="beam search with this many beams: the "
                         "most likely continuation found, no sampling")
     search.add_argument("--draft", type=Path, help="speculative sampling: a smaller model's "
                         "checkpoint (the same tokenizer) proposes, this one checks")
-    p.add_argument("--speculate", type=count,
+    p.add_argument("--speculate", type=f("speculate"),
                    help="tokens the draft proposes a round (default: 4; needs --draft)")
 
 
