@@ -279,6 +279,8 @@ def _fails(argv: list[str], capsys: pytest.CaptureFixture[str], code: int, *need
         (["--lr", "-1"], 2, ["argument --lr: Input should be greater than 0, got '-1'"]),
         (["--lr", "fast"], 2, ["argument --lr: Input should be a valid number, unable to parse "
                                  "string as a number, got 'fast'"]),
+        (["--lr", "inf"], 2, ["argument --lr: Input should be a finite number, got 'inf'"]),
+        (["--rope-base", "1"], 2, ["argument --rope-base: Input should be greater than 1"]),
         (["--batch-size", "1.5"], 2, ["argument --batch-size: Input should be a valid integer"]),
         (["--max-step", "3"], 2, ["unrecognized arguments: --max-step"]),
         (["--n-heads", "3"], 2, ["d_model (=16) must be divisible by n_heads (=3)"]),
