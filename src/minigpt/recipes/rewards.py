@@ -114,8 +114,8 @@ STEPS: dict[Method, int] = {"grpo": 50, "grpo-kl": 35, "grpo-rhymes-only": 50, "
 #: cold start's first: ``python -m minigpt rl --threads 1 --validation --json
 #: book/data/rewards_sweep.jsonl --method METHOD [--lr RATE]``.
 LR: dict[Method, float] = {"grpo": 3e-4, "grpo-kl": 3e-4, "grpo-rhymes-only": 3e-4,
-                           "reinforce": 3e-4, "rft": 3e-4, "sft-random": 6e-4,
-                           "sft-frequent": 6e-4, "grpo-leaky": 3e-4, "grpo-coin": 3e-4}
+                           "reinforce": 3e-4, "rft": 3e-4, "sft-random": 3e-4,
+                           "sft-frequent": 3e-4, "grpo-leaky": 3e-4, "grpo-coin": 3e-4}
 
 
 class RewardsRecipe(BaseModel):
