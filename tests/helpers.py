@@ -5,6 +5,9 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 from types import ModuleType
+from typing import Any
+
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,3 +24,34 @@ def load_tool(name: str) -> ModuleType:
 def load_baseline_tool() -> ModuleType:
     """Import tools/baseline.py as a module."""
     return load_tool("baseline")
+
+
+class SeedRecorder:
+    """Records every seed given to torch's global generator and to new CPU generators
+    (``torch.Generator().manual_seed(s)``) while it is installed (`record_seeds`)."""
+
+    def __init__(self) -> None:
+        self.seeds: list[int] = []
+
+    def take(self) -> set[int]:
+        """The seeds recorded since the last call, as a set; forgets them."""
+        taken, self.seeds = set(self.seeds), []
+        return taken
+
+
+def record_seeds(monkeypatch: Any) -> SeedRecorder:
+    """Install a `SeedRecorder` for the rest of the test (``monkeypatch``: pytest's)."""
+    recorder, real_manual_seed = SeedRecorder(), torch.manual_seed
+
+    class Generator(torch.Generator):
+        def manual_seed(self, seed: int) -> torch.Generator:  # type: ignore[override]
+            recorder.seeds.append(int(seed))
+            return super().manual_seed(seed)
+
+    def manual_seed(seed: int) -> torch.Generator:
+        recorder.seeds.append(int(seed))
+        return real_manual_seed(seed)
+
+    monkeypatch.setattr(torch, "Generator", Generator)
+    monkeypatch.setattr(torch, "manual_seed", manual_seed)
+    return recorder

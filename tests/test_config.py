@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from minigpt import GPTConfig, seed_all
-from minigpt.config import GPT2_SIZES, check_int, check_positive
+from minigpt.config import GPT2_SIZES, check_int, check_positive, stream_seed
 
 BASE = dict(vocab_size=11, context_length=8, d_model=12, n_heads=3, n_layers=2)
 
@@ -116,3 +116,13 @@ def test_an_integer_is_checked_with_its_name_range_and_value(
     check_int("n", np.int64(5), 0, 5)  # NumPy's integers are integers
     with pytest.raises(ValueError, match="steps must be an int >= 1, got 0"):
         check_positive("steps", 0)
+
+
+def test_stream_seeds_differ_by_seed_name_and_index_and_fit_a_generator() -> None:
+    keys = [(seed, name, *index) for seed in (0, 1, 2**40) for name in ("a", "b", "ab", "")
+            for index in ((), (0,), (1,), (0, 1))]
+    seeds = [stream_seed(*key) for key in keys]
+    assert len(set(seeds)) == len(keys)
+    assert seeds == [stream_seed(*key) for key in keys]  # a function of its arguments
+    assert all(0 <= s < 2**64 for s in seeds)
+    torch.Generator().manual_seed(max(seeds))  # a generator takes any of them

@@ -11,6 +11,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import record_seeds
 from pydantic import ValidationError
 
 from minigpt.attention import attention_mass
@@ -621,6 +622,15 @@ TEXT = "".join(f"the {a} cat sat on the {b} mat; "
 # Context 24: the snapshots' shown row is 2 SHOWN_HALF - 1 = 23 ids.
 TINY = CopyRecipe(n_layers=1, n_heads=2, d_model=16, context_length=24, shortest=4,
                   longest=8, steps=20, snapshot_every=10, probe_rows=4, batch_size=4)
+
+
+def test_a_copiers_initial_weights_batches_and_probes_are_streams_apart(monkeypatch):
+    # copy-1 trains with seed 1, the seed of the held-out probes: its batches must still be
+    # no stream its weights or the probes were drawn from
+    seeds = record_seeds(monkeypatch)
+    copiers.train_copier(TINY.model_copy(update={"seed": copiers.PROBE_SEED, "steps": 1}),
+                         TEXT)
+    assert len(seeds.take()) == 3
 
 
 def test_a_copier_trains_once_with_snapshots_then_loads(monkeypatch, tmp_path):

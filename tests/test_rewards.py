@@ -12,6 +12,7 @@ from unittest import mock
 
 import pytest
 import torch
+from helpers import record_seeds
 from pydantic import ValidationError
 from test_dpo import chat_model
 from test_dpo import tasks as old_tasks
@@ -140,6 +141,20 @@ def test_every_method_trains_seeded_and_records_its_history(method: str) -> None
         assert any(history["tokens_scored"]) == (method == "grpo-kl")
     assert all(len(v) == 2 for v in history.values())
     assert all(n > 0 for n in history["tokens_trained"]) or method == "rft"
+
+
+@pytest.mark.parametrize("method", ["grpo-coin", "sft-random"])
+def test_a_runs_draws_are_its_own(method: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The questions, the samples, the coin's rewards (or SFT's batches) of one seed's run
+    # and the evaluation's draws: none of them shared with the next seed's run.
+    seeds, runs = record_seeds(monkeypatch), []
+    for seed in (0, 1):
+        (model, tok), start = started(), started()[0]
+        seeds.take()
+        continue_training(model, tok, method, data(), SMALL, seed=seed)  # type: ignore[arg-type]
+        evaluate_run(model, start, tok, data(), SMALL, seed=seed)
+        runs.append(seeds.take())
+    assert not runs[0] & runs[1]
 
 
 def test_the_compute_of_a_run_is_its_positions_times_the_weights() -> None:

@@ -11,6 +11,7 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
+from helpers import record_seeds
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from minigpt import GPT, GPTConfig
@@ -147,6 +148,21 @@ def test_two_seeded_runs_are_identical(data: tuple[np.ndarray, np.ndarray]) -> N
     c = train(cfg, run_config(seed=8), *data, progress=False).history
     assert a.loss == b.loss and a.val_loss == b.val_loss and a.train_loss == b.train_loss
     assert a.loss != c.loss
+
+
+def test_each_stream_of_a_run_has_a_seed_of_its_own(data: tuple[np.ndarray, np.ndarray],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # The initial weights, dropout, the batches and the evaluation's batches: four streams
+    # of a run, seeded apart, and none of them a stream of the next seed's run (seeding each
+    # with the seed, or one with seed + 1, gives runs that share their draws).
+    seeds = record_seeds(monkeypatch)
+    runs = []
+    for seed in (5, 6):
+        train(tiny_config(dropout=0.1), run_config(seed=seed, max_steps=2, warmup_steps=1), *data,
+              progress=False)
+        runs.append(seeds.take())
+    assert [len(run) for run in runs] == [4, 4]
+    assert not runs[0] & runs[1]
 
 
 def test_resume_continues_the_same_run(tmp_path: Path,

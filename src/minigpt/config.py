@@ -237,7 +237,8 @@ class TrainConfig(BaseModel):
         eval_full: score the validation loss of each evaluation on the whole validation
             split (`minigpt.losses.full_loss`) instead of on ``eval_steps`` batches: slower, free of
             sampling noise (what comparing the time two recipes take to a loss needs).
-        seed: seeds the initial weights, the batches and dropout.
+        seed: seeds the initial weights, the batches, dropout and the evaluation's
+            batches, each its own stream (`stream_seed`).
         bf16: run forward passes under bf16 autocast.
         device: "cpu", "cuda", "cuda:1", ...
         optimizer: "adamw" for every parameter, or "muon": Muon for the hidden matrices
@@ -327,6 +328,20 @@ MODERN_TRAINING: dict[str, Any] = dict(
     optimizer="muon", muon_lr=0.02, lr=2e-2, min_lr=0.0, beta2=0.95, weight_decay=0.0,
     warmup_steps=10, schedule="trapezoid", cooldown_fraction=0.4, batch_size=48,
 )
+
+
+def stream_seed(seed: int, name: str, *index: int) -> int:
+    """The seed of the random stream ``name`` (and ``index``, e.g. a process's rank) of a
+    run seeded ``seed``: a 64-bit number NumPy's `~numpy.random.SeedSequence` derives from
+    them all, so that every stream of a run is independent of its others and of every
+    stream of another seed's run. A run that seeded each stream with ``seed`` itself would
+    draw its batches from the very numbers that drew its initial weights (PyTorch's CPU
+    generators are one algorithm), and ``seed + 1`` for a second stream would be the next
+    seed's first. Names in use: ``"init"``, ``"dropout"`` (and the rank), ``"batches"`` and
+    ``"eval"`` (`minigpt.train.train`); the book's recipes name their own."""
+    assert seed >= 0 and all(i >= 0 for i in index), (seed, index)
+    key = (len(name), *name.encode(), *index)  # one key a (name, index): no two alike
+    return int(np.random.SeedSequence(seed, spawn_key=key).generate_state(1, np.uint64)[0])
 
 
 def seed_all(seed: int, *, deterministic: bool = False) -> None:

@@ -123,7 +123,7 @@ def inverse_cdf(probs: Tensor, u: float) -> int:
     assert probs.dim() == 1, f"probs must have shape (V,), got {tuple(probs.shape)}"
     if not 0.0 <= u < 1.0:  # NaN fails too
         raise ValueError(f"u must lie in [0, 1), got {u}")
-    cumulative = torch.cumsum(probs.double(), dim=0)
+    cumulative = torch.cumsum(probs.to("cpu", torch.float64), dim=0)  # MPS: no float64
     above = torch.nonzero(cumulative > u)
     if len(above) > 0:
         return int(above[0])

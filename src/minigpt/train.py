@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from tqdm import tqdm  # plain text bar: works in a terminal and a notebook alike
 
 from minigpt.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
-from minigpt.config import GPTConfig, TrainConfig
+from minigpt.config import GPTConfig, TrainConfig, stream_seed
 from minigpt.data import Batch, ExampleSet
 from minigpt.files import atomic_write
 from minigpt.losses import (
@@ -250,7 +250,9 @@ def train(model: GPT | GPTConfig, config: TrainConfig, train_data: np.ndarray | 
             takes seconds to compile; evaluation and checkpoints use the plain model).
         loss_fn: replaces next-token cross-entropy in training and evaluation (`LossFn`).
 
-    Torch's global generator (dropout) is seeded with ``config.seed`` plus the rank. On a
+    The initial weights, dropout (on each rank its own), the batches (the same on every
+    rank) and the evaluation's batches each draw from their own stream of ``config.seed``
+    (`minigpt.config.stream_seed`); dropout's is torch's global generator. On a
     CUDA device float32 matrix products use TF32 from here on (`minigpt.parallel.allow_tf32`).
     """
     if resume and out_dir is None:
@@ -261,8 +263,8 @@ def train(model: GPT | GPTConfig, config: TrainConfig, train_data: np.ndarray | 
     allow_tf32(ctx.device)  # as the command line does: a run from Python on a GPU too
     model = _model_for(model, config, train_data, val_data).to(ctx.device)
     optimizer = build_optimizer(model, config)
-    torch.manual_seed(config.seed + ctx.rank)  # dropout: each rank its own masks
-    batch_gen = torch.Generator().manual_seed(config.seed)  # the batches: the same on all ranks
+    torch.manual_seed(stream_seed(config.seed, "dropout", ctx.rank))  # each rank its masks
+    batch_gen = torch.Generator().manual_seed(stream_seed(config.seed, "batches"))  # all ranks
     history, start = History(), 0
     if resume:
         # Onto the CPU, whatever the run's device: load_state_dict moves weights and moments
@@ -295,7 +297,8 @@ def train(model: GPT | GPTConfig, config: TrainConfig, train_data: np.ndarray | 
             record_steps(unread, history, ctx)
             losses = estimate_loss(model, {"train": train_data, "val": val_data},
                                    batch_size=config.batch_size, context_length=T,
-                                   eval_steps=config.eval_steps, seed=config.seed + 1,
+                                   eval_steps=config.eval_steps,
+                                   seed=stream_seed(config.seed, "eval"),
                                    bf16=config.bf16, ctx=ctx, loss_fn=loss_fn)
             if config.eval_full and not isinstance(val_data, ExampleSet):
                 losses["val"] = full_loss(model, val_data, bf16=config.bf16)  # on every rank
@@ -357,7 +360,7 @@ def _model_for(model: GPT | GPTConfig, config: TrainConfig,
     """The model to train (built from a `GPTConfig`, seeded), once its data are checked
     against it: where the data enter the loop."""
     if isinstance(model, GPTConfig):
-        torch.manual_seed(config.seed)  # the initial weights
+        torch.manual_seed(stream_seed(config.seed, "init"))
         model = GPT(model)
     elif not isinstance(model, GPT):
         raise TypeError(f"model must be a GPT or a GPTConfig, got {type(model).__name__}")

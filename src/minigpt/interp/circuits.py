@@ -61,7 +61,12 @@ def _norm_linear(norm: torch.nn.Module, x: Tensor) -> Tensor:
     if isinstance(norm, LayerNorm):
         x = x - x.mean(-1, keepdim=True)
     gain = cast(Tensor | None, norm.weight)
-    return x if gain is None else x * gain.to(x.dtype)
+    return x if gain is None else x * gain.to(x.device, x.dtype)
+
+
+def _wide(x: Tensor) -> Tensor:
+    """``x`` in float64 on the CPU (where any device's weights can go: MPS has no float64)."""
+    return x.to("cpu", torch.float64)
 
 
 def effective_embedding(model: GPT) -> Tensor:
@@ -108,10 +113,10 @@ def full_ov_circuit(model: GPT, layer: int, head: int, inputs: Tensor | None = N
     w_v = torch.split(attn.c_attn.weight, list(attn.sizes), dim=0)[2][cols]  # (d_k, D)
     w_o = attn.c_proj.weight[:, cols]  # (D, d_k)
     with torch.no_grad():
-        read = _norm_linear(blocks(model)[layer].ln_1, inputs.double())  # (V, D)
-        into = w_v.double() @ read.T  # (d_k, V)
-        written = _norm_linear(model.ln_f, w_o.double().T)  # (d_k, D): each column's write
-        out = model.lm_head.weight.double() @ written.T  # (V, d_k)
+        read = _norm_linear(blocks(model)[layer].ln_1, _wide(inputs))  # (V, D)
+        into = _wide(w_v) @ read.T  # (d_k, V)
+        written = _norm_linear(model.ln_f, _wide(w_o).T)  # (d_k, D): each column's write
+        out = _wide(model.lm_head.weight) @ written.T  # (V, d_k)
     return out, into
 
 

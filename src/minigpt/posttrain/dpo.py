@@ -309,7 +309,8 @@ def preference_metrics(policy: GPT, data: PreferenceSet, beta: float) -> dict[st
     itself gives the chosen answer the higher log-probability."""
     beta = check_beta(beta)
     pi, ref = pair_logprobs(policy, data), data.reference_logprobs()
-    ratio = (pi - ref).double()
+    pi, ref = pi.to("cpu", torch.float64), ref.to("cpu", torch.float64)  # MPS has no float64
+    ratio = pi - ref
     margin = beta * (ratio[:, 0] - ratio[:, 1])
     return {"accuracy": (margin > 0).double().mean().item(),
             "margin": margin.mean().item(),

@@ -39,7 +39,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
-from minigpt.config import check_int, check_positive
+from minigpt.config import check_int, check_positive, stream_seed
 from minigpt.data import split_text
 from minigpt.model import GPT
 from minigpt.optim import configure_optimizer
@@ -339,7 +339,7 @@ def supervised_steps(model: GPT, tokenizer: Tokenizer, tasks: Sequence[Task],
     data.check_context_length(model.config.context_length)
     device = next(model.parameters()).device
     optimizer = configure_optimizer(model, lr=settings.lr, weight_decay=0.0)
-    generator = torch.Generator().manual_seed(settings.seed)
+    generator = torch.Generator().manual_seed(stream_seed(settings.seed, "batches"))
     losses, tokens = [], []
     was_training = model.training
     model.train()

@@ -15,7 +15,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor
 
-from minigpt.config import GPTConfig
+from minigpt.config import GPTConfig, stream_seed
 from minigpt.data import Batch, get_batch, split_text
 from minigpt.interp.heads import (
     Head,
@@ -143,10 +143,10 @@ def train_copier(recipe: CopyRecipe, text: str) -> Built:
     config = recipe.gpt_config(tokenizer.vocab_size)
     start = time.perf_counter()
     with pretrained.threads(recipe.threads):
-        torch.manual_seed(recipe.seed)
+        torch.manual_seed(stream_seed(recipe.seed, "init"))
         model = GPT(config)
         optimizer = configure_optimizer(model, lr=recipe.lr, weight_decay=0.0)
-        generator = torch.Generator().manual_seed(recipe.seed)
+        generator = torch.Generator().manual_seed(stream_seed(recipe.seed, "batches"))
         probes = probe_rows(model, val_ids, recipe.probe_rows)
         history: dict[str, list[Any]] = {k: [] for k in (
             "step", "first", "second", "induction", "previous")}

@@ -404,10 +404,11 @@ def threads(n: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def _locked(path: Path) -> FileLock:
-    """An exclusive lock on `path`, so that two processes never train the same model at once."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return FileLock(str(path))
+def folder_lock(folder: Path) -> FileLock:
+    """An exclusive lock on a model's ``folder`` (a file beside it), so that two processes
+    never make the same model at once."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(folder.parent / f".{folder.name}.lock"))
 
 
 #: What building a model gives: the model, its metrics and its training history.
@@ -436,7 +437,7 @@ def _train_recipe(recipe: Recipe, text: str, progress: bool, say: Callable[[str]
     return result.model, result.metrics, asdict(result.history)
 
 
-def _store(folder: Path, key: str, material: dict[str, Any], built: Built,
+def store_model(folder: Path, key: str, material: dict[str, Any], built: Built,
            census: list[Any]) -> tuple[GPT, dict[str, Any]]:
     """Write a built model into ``folder`` (weights, then manifest, with the ``census`` of
     the matrix products building it computed, `minigpt.products.census`); return it, on the
@@ -492,33 +493,43 @@ def cached_model(material: dict[str, Any], build: Builder, *, progress: bool = F
                  cache: Path | None = None) -> tuple[GPT, ModelInfo]:
     """The model that ``material`` (JSON-able, everything that determines its weights, with
     its ``"model_config"``) describes: loaded from ``<cache>/models/<key>/`` if it is there
-    and intact, else made by ``build`` and stored there, under a lock."""
+    and intact, else fetched, else made by ``build`` and stored there, under a lock."""
     start = time.perf_counter()
     key = cache_key(material)
-    models = (cache_dir() if cache is None else cache) / "models"
-    folder = models / key[:20]
+    folder = (cache_dir() if cache is None else cache) / "models" / key[:20]
     say: Callable[[str], None] = _stderr if progress else log.info
     # Loading builds a GPT (random initial weights) and training seeds torch: fork the
     # generator so that the caller's random state is the same whichever path is taken.
-    with torch.random.fork_rng(devices=[]), _locked(models / f".{key[:20]}.lock"):
-        loaded = _load_or_warn(folder, key, material, "cached") if folder.exists() else None
-        fetched = False
-        if loaded is None:
-            # Fetching decides none of the weights (they are checked against the stored
-            # hashes): not a training module, so imported here, outside the key.
-            from minigpt.recipes import published
-            if published.fetch(key, folder, progress=progress, say=say):
-                loaded = _load_or_warn(folder, key, material, "fetched")
-                fetched = loaded is not None
-        built = loaded is None
-        if loaded is None:
+    with torch.random.fork_rng(devices=[]), folder_lock(folder):
+        found = kept_model(folder, key, material, progress=progress, say=say)
+        if found is None:
             with products.census() as calls:
                 made = build(say, folder)
-            loaded = _store(folder, key, material, made, calls)
-        model, manifest = loaded
-    info = ModelInfo(key=key, path=folder, built=built, fetched=fetched,
+            model, manifest = store_model(folder, key, material, made, calls)
+        else:
+            model, manifest, _ = found
+    info = ModelInfo(key=key, path=folder, built=found is None,
+                     fetched=found is not None and found[2],
                      load_seconds=time.perf_counter() - start, manifest=manifest)
     return model, info
+
+
+def kept_model(folder: Path, key: str, material: dict[str, Any], *, progress: bool = False,
+               say: Callable[[str], None] = log.info,
+               ) -> tuple[GPT, dict[str, Any], bool] | None:
+    """The model of ``key`` kept in ``folder`` if it is there and intact, else fetched there
+    from the book's published models (`minigpt.recipes.published`), with its manifest and
+    whether it was fetched; None if it is neither (a damaged one is warned of). The caller
+    holds the folder's lock (`folder_lock`)."""
+    if folder.exists() and (loaded := _load_or_warn(folder, key, material, "cached")):
+        return (*loaded, False)
+    # Fetching decides none of the weights (they are checked against the stored hashes):
+    # not a training module, so imported here, outside the key.
+    from minigpt.recipes import published
+    if published.fetch(key, folder, progress=progress, say=say) and (
+            loaded := _load_or_warn(folder, key, material, "fetched")):
+        return (*loaded, True)
+    return None
 
 
 def _load_or_warn(folder: Path, key: str, material: dict[str, Any],

@@ -48,7 +48,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from minigpt.compute import matmul_weights
-from minigpt.config import check_int
+from minigpt.config import check_int, stream_seed
 from minigpt.data import split_text
 from minigpt.losses import bits_per_character
 from minigpt.model import GPT
@@ -114,8 +114,8 @@ STEPS: dict[Method, int] = {"grpo": 50, "grpo-kl": 35, "grpo-rhymes-only": 50, "
 #: cold start's first: ``python -m minigpt rl --threads 1 --validation --json
 #: book/data/rewards_sweep.jsonl --method METHOD [--lr RATE]``.
 LR: dict[Method, float] = {"grpo": 3e-4, "grpo-kl": 3e-4, "grpo-rhymes-only": 3e-4,
-                           "reinforce": 3e-4, "rft": 3e-4, "sft-random": 6e-4,
-                           "sft-frequent": 6e-4, "grpo-leaky": 3e-4, "grpo-coin": 3e-4}
+                           "reinforce": 3e-4, "rft": 3e-4, "sft-random": 3e-4,
+                           "sft-frequent": 3e-4, "grpo-leaky": 3e-4, "grpo-coin": 3e-4}
 
 
 class RewardsRecipe(BaseModel):
@@ -245,8 +245,10 @@ def continue_training(model: GPT, tokenizer: Tokenizer, method: Method, data: Re
 
     GRPO and rejection sampling ask `RewardsRecipe.rhymes_per_step` rhymes questions and
     `RewardsRecipe.old_per_step` of the older families (rewarded by exact match) a step,
-    drawn with ``seed``; SFT reads `RewardsRecipe.sft_batch` conversations a step, a
-    `RewardsRecipe.sft_replay` share of them of the older families.
+    drawn from ``seed``'s stream ``"tasks"``, the answers sampled from its ``"sampling"``
+    and the coin's rewards from its ``"coin"`` (`minigpt.config.stream_seed`); SFT reads
+    `RewardsRecipe.sft_batch` conversations a step, a `RewardsRecipe.sft_replay` share of
+    them of the older families, drawn from ``seed``'s ``"batches"``.
     """
     k = kind(method)
     steps = recipe.steps[method] if steps is None else steps
@@ -257,7 +259,7 @@ def continue_training(model: GPT, tokenizer: Tokenizer, method: Method, data: Re
                           replay_fraction=recipe.sft_replay, seed=seed)
         return supervised_steps(model, tokenizer, tasks, sft, replay=data.old.train)
     rewards: dict[str, Reward] = {"grpo-leaky": scorer(is_right_leaky),
-                                  "grpo-coin": coin(torch.Generator().manual_seed(seed + 1))}
+                                  "grpo-coin": coin(_generator(seed, "coin"))}
     reward = rewards.get(method, scorer(rhymes_checker(data.vocab)))
     beta = recipe.kl_coef if method == "grpo-kl" else 0.0
     settings = recipe.grpo.model_copy(update={"kl_coef": beta})
@@ -267,7 +269,7 @@ def continue_training(model: GPT, tokenizer: Tokenizer, method: Method, data: Re
     n_old = 0 if method == "grpo-rhymes-only" else recipe.old_per_step
     n_rhymes = recipe.rhymes_per_step + recipe.old_per_step - n_old
     optimizer = configure_optimizer(model, lr=lr, weight_decay=0.0)
-    rng, generator = random.Random(seed), torch.Generator().manual_seed(seed)
+    rng, generator = random.Random(stream_seed(seed, "tasks")), _generator(seed, "sampling")
     logged = ("reward", "zero_signal", "entropy", "length", "grad_norm", "answers",
               "tokens_sampled", "tokens_trained", "tokens_scored")
     history: dict[str, list[float]] = {name: [] for name in logged}
@@ -285,6 +287,11 @@ def continue_training(model: GPT, tokenizer: Tokenizer, method: Method, data: Re
             history[name].append(float(getattr(stats, name)))
     model.eval()
     return history
+
+
+def _generator(seed: int, name: str, *index: int) -> torch.Generator:
+    """A CPU generator drawing stream ``name`` of ``seed`` (`minigpt.config.stream_seed`)."""
+    return torch.Generator().manual_seed(stream_seed(seed, name, *index))
 
 
 class Compute(NamedTuple):
@@ -316,12 +323,13 @@ def evaluate_run(model: GPT, start: GPT, tokenizer: Tokenizer, data: RewardsData
                  recipe: RewardsRecipe = REWARDS_RECIPE, *, seed: int = 0) -> dict[str, Any]:
     """What the chapter compares of a run, as JSON-able data (see the module's docstring);
     with its sampled and greedy answers to each evaluated word (``answers``, ``greedy``),
-    from which the chapter shows its failure modes. ``seed`` seeds the draws."""
+    from which the chapter shows its failure modes. The answers are drawn from ``seed``'s
+    stream ``"evaluation"``, the KL's from its ``"kl"`` (`minigpt.config.stream_seed`)."""
     right = scorer(rhymes_checker(data.vocab))
     tasks = data.eval_rhymes
     ev = evaluate_sampled(model, tokenizer, tasks, reward=right, samples=recipe.eval_samples,
                           k=recipe.eval_k, max_new_tokens=recipe.grpo.max_new_tokens,
-                          generator=torch.Generator().manual_seed(10_000 + seed))
+                          generator=_generator(seed, "evaluation"))
     leaky = statistics.fmean(statistics.fmean(is_right_leaky(a, t) for a in answers)
                              for answers, t in zip(ev.answers, tasks, strict=True))
     echo = statistics.fmean(statistics.fmean(a == t.word for a in answers)
@@ -329,7 +337,7 @@ def evaluate_run(model: GPT, start: GPT, tokenizer: Tokenizer, data: RewardsData
     prompts = [prompt_ids(t.conversation()[:1], tokenizer) for t in tasks]
     kl = sampled_kl(model, start, prompts, tokenizer.special_tokens[END_OF_TURN],
                     samples=recipe.eval_k, max_new_tokens=recipe.grpo.max_new_tokens,
-                    seed=20_000 + seed)
+                    seed=stream_seed(seed, "kl"))
     ids = np.asarray(tokenizer.encode_ordinary(data.held_out_text), dtype=np.int64)
     return {"pass@1": ev.pass_at_1, f"pass@{ev.k}": ev.pass_at_k, "greedy": ev.greedy,
             "distinct_right": ev.distinct_right, "all_equal": ev.all_equal,
@@ -366,7 +374,7 @@ def room(model: GPT, tokenizer: Tokenizer, old: TaskSplit) -> dict[str, dict[str
     for i, family in enumerate(ROOM_FAMILIES):
         tasks = [t for t in old.test if t.family == family][:ROOM_TASKS]
         ev = evaluate_sampled(model, tokenizer, tasks, reward=score, samples=ROOM_SAMPLES,
-                              k=ROOM_K, generator=torch.Generator().manual_seed(30_000 + i))
+                              k=ROOM_K, generator=_generator(0, "room", i))
         measured[family] = {"greedy": ev.greedy, "pass@1": ev.pass_at_1,
                             f"pass@{ROOM_K}": ev.pass_at_k, "all_equal": ev.all_equal,
                             "all_equal_predicted": ev.all_equal_predicted}

@@ -44,11 +44,11 @@ from minigpt.files import cache_dir
 from minigpt.model import GPT
 from minigpt.recipes.pretrained import (
     TRAINING_MODULES,
-    _load_or_warn,
-    _locked,
-    _store,
     cache_key,
+    folder_lock,
+    kept_model,
     model_material,
+    store_model,
 )
 from minigpt.sweep import Run, RunPool, check_runs
 from minigpt.train import History, TrainResult
@@ -94,16 +94,18 @@ def trained_runs(runs: Sequence[Run], pool: RunPool, *,
     keys = [cache_key(material) for material in materials]
     found: dict[int, tuple[GPT, dict[str, Any]]] = {}
     for i, (key, material) in enumerate(zip(keys, materials, strict=True)):
-        if (loaded := _kept(key, material, cache)) is not None:
-            found[i] = loaded
+        folder = run_folder(key, cache)
+        with folder_lock(folder):
+            if (kept := kept_model(folder, key, material)) is not None:
+                found[i] = kept[:2]
     missing = [i for i in range(len(runs)) if i not in found]
     if missing:
         log.info("training %d of %d runs (%d kept)", len(missing), len(runs), len(found))
         made = pool.train_recorded([runs[i] for i in missing])
         for i, (result, census) in zip(missing, made, strict=True):
             folder = run_folder(keys[i], cache)
-            with _locked(folder.parent / f".{folder.name}.lock"):
-                found[i] = _store(folder, keys[i], materials[i], (
+            with folder_lock(folder):
+                found[i] = store_model(folder, keys[i], materials[i], (
                     result.model, result.metrics, asdict(result.history)), census)
     _journal(keys, [found[i][1] for i in range(len(runs))])
     results = []
@@ -113,21 +115,6 @@ def trained_runs(runs: Sequence[Run], pool: RunPool, *,
         results.append(TrainResult(model.train(), History(**manifest["history"]),
                                    manifest["metrics"]))
     return results
-
-
-def _kept(key: str, material: dict[str, Any],
-          cache: Path | None) -> tuple[GPT, dict[str, Any]] | None:
-    """The run of ``key`` from the cache, else fetched; None if it is neither."""
-    folder = run_folder(key, cache)
-    with _locked(folder.parent / f".{folder.name}.lock"):
-        if folder.exists() and (loaded := _load_or_warn(folder, key, material,
-                                                        "kept")) is not None:
-            return loaded
-        # Fetching decides none of the weights (they are checked against the stored hashes).
-        from minigpt.recipes import published
-        if published.fetch(key, folder):
-            return _load_or_warn(folder, key, material, "fetched")
-    return None
 
 
 def _journal(keys: list[str], manifests: list[dict[str, Any]]) -> None:
