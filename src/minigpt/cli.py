@@ -359,6 +359,7 @@ def train_command(args: argparse.Namespace, argv: list[str]) -> int:
     print(f"{loss}{pace}; wrote {args.out / CHECKPOINT_NAME} and {args.out / METRICS_NAME}")
     return 0
 
+
 def new_model(args: argparse.Namespace) -> tuple[GPTConfig, Tokenizer, str, str]:
     """A new run's model settings, tokenizer, text and the text's source."""
     text, source = (data.read_text(args.text), str(args.text)) if args.text is not None else (
