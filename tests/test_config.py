@@ -1,11 +1,15 @@
 """GPTConfig validation, defaults and presets."""
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
 
 from minigpt import GPTConfig, seed_all
-from minigpt.config import GPT2_SIZES, check_int, check_positive, stream_seed
+from minigpt.config import GPT2_SIZES, check_int, check_positive, read_seed_shift, stream_seed
 
 BASE = dict(vocab_size=11, context_length=8, d_model=12, n_heads=3, n_layers=2)
 
@@ -126,3 +130,40 @@ def test_stream_seeds_differ_by_seed_name_and_index_and_fit_a_generator() -> Non
     assert seeds == [stream_seed(*key) for key in keys]  # a function of its arguments
     assert all(0 <= s < 2**64 for s in seeds)
     torch.Generator().manual_seed(max(seeds))  # a generator takes any of them
+
+
+# ------------------------------------------------------------------------- the redraw
+
+def test_a_seed_shift_redraws_every_stream_and_no_shift_moves_nothing() -> None:
+    keys = [(seed, name, *index) for seed in (0, 1, 1337, 2**40) for name in ("init", "batches")
+            for index in ((), (0,), (3,))]
+    book = [stream_seed(*key, shift=0) for key in keys]
+    # the book's own draw: the stream seeds as they were before the shift existed
+    assert stream_seed(1337, "init", shift=0) == int(np.random.SeedSequence(
+        1337, spawn_key=(4, *b"init")).generate_state(1, np.uint64)[0])
+    for shift in (1, 2, 2**32 - 1):
+        redrawn = [stream_seed(*key, shift=shift) for key in keys]
+        assert len(set(redrawn)) == len(keys)  # still independent streams
+        assert not set(redrawn) & set(book)  # and none of them the book's
+    # seed s under shift 1 is not seed s + 1 of the book (three seeds stay three draws)
+    assert stream_seed(0, "init", shift=1) not in {stream_seed(s, "init", shift=0)
+                                                   for s in range(4)}
+
+
+@pytest.mark.parametrize("text", ["x", "-1", "1.5", "4294967296", "0x10", " 2 3"])
+def test_a_seed_shift_that_is_not_a_whole_number_is_refused_where_it_is_read(text: str) -> None:
+    with pytest.raises(ValueError, match="MINIGPT_SEED_SHIFT=.*whole number from 0 to"):
+        read_seed_shift({"MINIGPT_SEED_SHIFT": text})
+
+
+def test_an_unset_or_empty_seed_shift_is_the_books_own_draw() -> None:
+    assert read_seed_shift({}) == 0 and read_seed_shift({"MINIGPT_SEED_SHIFT": ""}) == 0
+    assert read_seed_shift({"MINIGPT_SEED_SHIFT": " 7 "}) == 7
+
+
+def test_importing_the_package_under_a_bad_seed_shift_fails_with_the_reason() -> None:
+    env = {**os.environ, "MINIGPT_SEED_SHIFT": "two"}
+    done = subprocess.run([sys.executable, "-c", "import minigpt"], env=env,
+                          capture_output=True, text=True, check=False)
+    assert done.returncode != 0
+    assert "MINIGPT_SEED_SHIFT='two': use a whole number" in done.stderr

@@ -5,6 +5,7 @@ and a temporary cache root (MINIGPT_CACHE), so the real cache is never touched.
 """
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -103,6 +104,35 @@ def test_key_changes_with_everything_that_shapes_the_weights():
     ]
     keys = {pretrained.cache_key(pretrained.key_material(r, t)) for r, t in variants}
     assert base not in keys and len(keys) == len(variants)
+
+
+_SHIFTED = """
+import json, sys
+from minigpt.config import TrainConfig
+from minigpt.recipes import pretrained
+from minigpt.recipes.pretrained import Recipe, load_or_build
+recipe = Recipe(**json.loads(sys.argv[1]))
+model, _, info = load_or_build(recipe, sys.argv[2], progress=False)
+print(json.dumps([info.key, info.built, pretrained.environment()["seed_shift"],
+                  pretrained.weights_bytes(model).hex()]))
+"""
+
+
+def test_a_seed_shift_trains_other_weights_under_another_key(tmp_cache) -> None:
+    """Under a redraw (MINIGPT_SEED_SHIFT) the same recipe trains other weights, kept under
+    another key: a redrawn model never stands in for the book's, nor the other way round."""
+    model, _, info = load_or_build(TINY, TEXT, progress=False)
+
+    def shifted(shift: str) -> list:
+        env = {**os.environ, "MINIGPT_CACHE": str(tmp_cache), "MINIGPT_SEED_SHIFT": shift}
+        done = subprocess.run([sys.executable, "-c", _SHIFTED, TINY.model_dump_json(), TEXT],
+                              env=env, capture_output=True, text=True, check=True)
+        return json.loads(done.stdout)
+
+    key, built, shift, weights = shifted("1")
+    assert (built, shift) == (True, 1) and key != info.key
+    assert weights != pretrained.weights_bytes(model).hex()
+    assert shifted("0") == [info.key, False, 0, pretrained.weights_bytes(model).hex()]
 
 
 def _corrupt_one_byte(path):

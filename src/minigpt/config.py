@@ -12,6 +12,7 @@ from __future__ import annotations
 import numbers
 import os
 import random
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 import numpy as np
@@ -330,7 +331,32 @@ MODERN_TRAINING: dict[str, Any] = dict(
 )
 
 
-def stream_seed(seed: int, name: str, *index: int) -> int:
+#: The environment variable that redraws every random stream of every run: a whole number
+#: added to each run's seed in `stream_seed`, so that the book can be trained and read under
+#: another draw of its random numbers (`make redraw`, docs/redraw.md). Unset or 0, nothing
+#: moves.
+SEED_SHIFT_VARIABLE = "MINIGPT_SEED_SHIFT"
+
+
+def read_seed_shift(environ: Mapping[str, str] = os.environ) -> int:
+    """The redraw `SEED_SHIFT_VARIABLE` asks for in ``environ``: 0 when it is unset or empty,
+    else the whole number it holds, from 0 to 2**32 - 1."""
+    text = environ.get(SEED_SHIFT_VARIABLE, "").strip()
+    if not text:
+        return 0
+    if not text.isdigit() or int(text) >= 2**32:
+        raise ValueError(f"{SEED_SHIFT_VARIABLE}={text!r}: use a whole number from 0 to "
+                         f"{2**32 - 1} (another draw of every random stream), or leave it "
+                         "unset (the book's own draw)")
+    return int(text)
+
+
+#: This process's redraw, read once when the package is imported (a cached model's key
+#: holds it: `minigpt.recipes.pretrained.environment`).
+SEED_SHIFT = read_seed_shift()
+
+
+def stream_seed(seed: int, name: str, *index: int, shift: int = SEED_SHIFT) -> int:
     """The seed of the random stream ``name`` (and ``index``, e.g. a process's rank) of a
     run seeded ``seed``: a 64-bit number NumPy's `~numpy.random.SeedSequence` derives from
     them all, so that every stream of a run is independent of its others and of every
@@ -338,10 +364,13 @@ def stream_seed(seed: int, name: str, *index: int) -> int:
     draw its batches from the very numbers that drew its initial weights (PyTorch's CPU
     generators are one algorithm), and ``seed + 1`` for a second stream would be the next
     seed's first. Names in use: ``"init"``, ``"dropout"`` (and the rank), ``"batches"`` and
-    ``"eval"`` (`minigpt.train.train`); the book's recipes name their own."""
+    ``"eval"`` (`minigpt.train.train`); the book's recipes name their own. Under a redraw
+    (`SEED_SHIFT`, or ``shift``) the run's seed and the shift together seed every stream:
+    other numbers for every run, still independent of each other."""
     assert seed >= 0 and all(i >= 0 for i in index), (seed, index)
     key = (len(name), *name.encode(), *index)  # one key a (name, index): no two alike
-    return int(np.random.SeedSequence(seed, spawn_key=key).generate_state(1, np.uint64)[0])
+    entropy = seed if shift == 0 else [seed, shift]  # [seed, 0] would be seed's own entropy
+    return int(np.random.SeedSequence(entropy, spawn_key=key).generate_state(1, np.uint64)[0])
 
 
 def seed_all(seed: int, *, deterministic: bool = False) -> None:

@@ -62,7 +62,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from tqdm import tqdm
 
 from minigpt import PINNED_CPU_KERNELS, products
-from minigpt.config import MODERN_LAYOUT, MODERN_TRAINING, GPTConfig, TrainConfig
+from minigpt.config import MODERN_LAYOUT, MODERN_TRAINING, SEED_SHIFT, GPTConfig, TrainConfig
 from minigpt.data import shakespeare_text, split_text
 from minigpt.files import MANIFEST_NAME, WEIGHTS_NAME, atomic_write, cache_dir, sha256_file
 from minigpt.model import GPT
@@ -312,13 +312,14 @@ def environment() -> dict[str, Any]:
     version, the kernels it runs, MKL's and oneDNN's settings (`minigpt.PINNED_CPU_KERNELS`;
     a process whose first torch operation ran before minigpt was imported runs the CPU's
     widest kernels, and MKL the mode `mkl_reproducibility` reads from MKL itself) and how
-    its matrix products are summed (`minigpt.products.mode`)."""
+    its matrix products are summed (`minigpt.products.mode`), and the redraw of its random
+    streams (`minigpt.config.SEED_SHIFT`, 0 for the book's own draw)."""
     settings = {name: os.environ.get(name) for name in sorted(PINNED_CPU_KERNELS)
                 if name != "ATEN_CPU_CAPABILITY"}
     return {"torch": torch.__version__,
             "cpu_kernels": torch.backends.cpu.get_cpu_capability(),
             "kernel_settings": settings | {"MKL_CBWR": mkl_reproducibility()},
-            "products": products.mode()}
+            "products": products.mode(), "seed_shift": SEED_SHIFT}
 
 
 #: mkl_cbwr_get's answer for "no reproducibility branch", and its flag of the strict mode.

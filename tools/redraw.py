@@ -1,0 +1,353 @@
+"""The book under another draw of its bits: `make redraw`, the check of the chapters' claims.
+
+The stored notebooks (tests/notebooks/) hold what one draw printed: the models and kept runs
+trained with the book's seeds, on Linux x86-64 with the package's own matrix products. A
+reader with other bits (another platform, another BLAS, a GPU) trains other models, and the
+chapters must still run for them and their prose must still be true. This tool makes such a
+reader's book from an empty cache and reports what happened:
+
+    .venv/bin/python tools/redraw.py seed      # every random stream redrawn (MINIGPT_SEED_SHIFT)
+    .venv/bin/python tools/redraw.py native    # PyTorch's own products (MINIGPT_PRODUCTS=native)
+    .venv/bin/python tools/redraw.py seed native --shift 7
+
+Each draw is a fresh set-up: an empty cache of its own (``_build/redraw/<draw>/cache``, or
+``--cache``), nothing fetched, every model trained in the lanes `make book-model` uses, then
+every chapter executed (two at a time, as `make book` does) with ``allow_errors``: a cell that
+fails is recorded and the chapter runs on to its end, so one run lists every failure. The
+executed chapters are kept in ``_build/redraw/<draw>/<chapter>.ipynb``.
+
+The report, docs/redraw.md, has a section for each draw (the commit and the date it ran at;
+a new run of a draw replaces that draw's section, the other draw's stays), and in it, per
+chapter:
+
+* every cell that failed: the line that raised (an assert's own line) and the message;
+* every number the prose quotes that moved: a decimal of the chapter's prose that a code cell
+  printed in the stored notebook, and which that cell, at the same place of its output,
+  printed differently under the draw (stored beside redrawn, as printed: a number that moves
+  within its printed digits does not move).
+
+Not part of `make test`: each draw trains every model (about 40 CPU-minutes on a 2-core
+machine) and executes every chapter. The weekly workflow (reproduce.yml) runs both draws and
+keeps the report and the executed chapters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import nbformat
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import baseline  # noqa: E402  (tools/baseline.py: the chapter list, the stored notebooks)
+import execute_chapters  # noqa: E402  (how the build executes a chapter)
+
+ROOT = baseline.ROOT
+REPORT = ROOT / "docs" / "redraw.md"
+WORK = ROOT / "_build" / "redraw"
+#: The redraws: name -> what it sets, given the seed shift.
+DRAWS = {
+    "seed": lambda shift: {"MINIGPT_SEED_SHIFT": str(shift)},
+    "native": lambda shift: {"MINIGPT_PRODUCTS": "native"},
+}
+DESCRIPTIONS = {
+    "seed": "another seed: every random stream of every model and kept run redrawn "
+            "(`MINIGPT_SEED_SHIFT={shift}`)",
+    "native": "other rounding: PyTorch's own matrix products (`MINIGPT_PRODUCTS=native`), "
+              "what a reader off Linux x86-64 computes, in kind",
+}
+#: A number as the chapters print and quote it: a sign, digits with thousands' commas, a
+#: decimal part. Only numbers with a decimal point are compared (counts and years are not
+#: what a draw moves, and integers match too much by chance).
+NUMBER = re.compile(r"(?<![\w.])[-+−]?\d{1,3}(?:,\d{3})*\.\d+|(?<![\w.])[-+−]?\d+\.\d+")
+SECTION = re.compile(r"^<!-- draw: (\w+) -->$.*?^<!-- end of draw: \1 -->$\n?",
+                     re.MULTILINE | re.DOTALL)
+
+
+def canonical(number: str) -> str:
+    """A printed number without its sign's spelling and thousands' commas."""
+    return number.replace("−", "-").lstrip("+").replace(",", "")
+
+
+def output_text(cell: Any) -> str:
+    """What a code cell printed, as text: its streams, its results' and displays' plain text
+    and its errors' names and messages, in order."""
+    parts = []
+    for out in cell.get("outputs", []):
+        if out.get("output_type") == "stream":
+            parts.append(out.get("text", ""))
+        elif out.get("output_type") in ("execute_result", "display_data"):
+            parts.append(out.get("data", {}).get("text/plain", ""))
+        elif out.get("output_type") == "error":
+            parts.append(f"{out.get('ename')}: {out.get('evalue')}")
+    return "".join(parts)
+
+
+def numbers(text: str) -> list[str]:
+    return [canonical(m.group()) for m in NUMBER.finditer(text)]
+
+
+@dataclass
+class Moved:
+    number: str          # as the prose quotes it
+    context: str         # the prose around it
+    cell: int            # the code cell that printed it (0-based among code cells)
+    redrawn: str | None  # what that cell printed there under the draw (None: nothing)
+
+
+@dataclass
+class Failure:
+    cell: int
+    line: str
+    message: str
+
+
+@dataclass
+class ChapterReport:
+    chapter: str
+    cells: int
+    seconds: float
+    failures: list[Failure] = field(default_factory=list)
+    quoted: int = 0
+    moved: list[Moved] = field(default_factory=list)
+    error: str | None = None  # the chapter could not be executed at all
+
+
+def prose_numbers(chapter: Path) -> list[tuple[str, str]]:
+    """Each decimal the chapter's prose quotes (markdown cells, not code), with its context."""
+    nb = execute_chapters.read_chapter(chapter, execute_chapters.book_settings()["extensions"])
+    found = []
+    for cell in nb.cells:
+        if cell.cell_type != "markdown":
+            continue
+        text = " ".join(cell.source.split())
+        for m in NUMBER.finditer(text):
+            context = text[max(0, m.start() - 50):m.end() + 30]
+            found.append((canonical(m.group()), context))
+    return found
+
+
+def code_cells(nb: Any) -> list[Any]:
+    return [c for c in nb.cells if c.cell_type == "code"]
+
+
+def compare(quoted: list[tuple[str, str]], stored: list[Any],
+            redrawn: list[Any]) -> tuple[int, list[Moved]]:
+    """(how many quoted numbers a stored cell printed, those of them that moved): a quoted
+    number holds if any place that printed it in the stored notebook prints it again, the
+    same place (cell, and the number's rank among the cell's printed numbers) under the
+    draw."""
+    stored_numbers = [numbers(output_text(c)) for c in stored]
+    redrawn_numbers = [numbers(output_text(c)) for c in redrawn]
+    printed = 0
+    moved = []
+    for number, context in quoted:
+        places = [(i, j) for i, nums in enumerate(stored_numbers)
+                  for j, n in enumerate(nums) if n == number]
+        if not places:
+            continue
+        printed += 1
+        again = [redrawn_numbers[i][j] if i < len(redrawn_numbers)
+                 and j < len(redrawn_numbers[i]) else None for i, j in places]
+        if number not in again:
+            moved.append(Moved(number, context, places[0][0], again[0]))
+    return printed, moved
+
+
+def failures(nb: Any) -> list[Failure]:
+    """Every code cell of an executed notebook that raised: the line that raised (the last
+    frame in the cell's own code) and the exception."""
+    found = []
+    for i, cell in enumerate(code_cells(nb)):
+        for out in cell.get("outputs", []):
+            if out.get("output_type") != "error":
+                continue
+            line = raising_line(cell.source, out.get("traceback", []))
+            found.append(Failure(i, line, f"{out.get('ename')}: {out.get('evalue')}"))
+    return found
+
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+#: IPython's traceback marks the line that raised with an arrow and its number.
+ARROW = re.compile(r"^-*>\s*(\d+)", re.MULTILINE)
+
+
+def raising_line(source: str, traceback: list[str]) -> str:
+    """The line of the cell's ``source`` that raised, from IPython's ``traceback`` (the first
+    frame is the cell's own)."""
+    for frame in traceback:
+        match = ARROW.search(ANSI.sub("", frame))
+        if match:
+            lines = source.splitlines()
+            number = int(match.group(1))
+            if 1 <= number <= len(lines):
+                return lines[number - 1].strip()
+    return "(the raising line is not in the cell)"
+
+
+def set_up(env: dict[str, str]) -> float:
+    """Train every model of set-up in an empty cache (`make book-model`): seconds taken."""
+    start = time.perf_counter()
+    subprocess.run(["make", "--no-print-directory", "book-model"], cwd=ROOT, env=env,
+                   check=True)
+    return time.perf_counter() - start
+
+
+def execute_all(chapters: list[Path], out: Path, jobs: int) -> dict[str, tuple[Any, float,
+                                                                            str | None]]:
+    """Execute ``chapters`` as the build does, ``jobs`` at a time, on past failing cells;
+    each executed notebook is written to ``out``. Runs in this process's environment."""
+    settings = execute_chapters.book_settings() | {"allow_errors": True}
+    results: dict[str, tuple[Any, float, str | None]] = {}
+    waiting = execute_chapters.longest_first(chapters)
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        futures: dict[Future[Any], Path] = {}
+        while waiting or futures:
+            while len(futures) < jobs:
+                chapter = execute_chapters.next_chapter(waiting, list(futures.values()))
+                if chapter is None:
+                    break
+                waiting.remove(chapter)
+                futures[pool.submit(execute_chapters.execute, chapter, settings)] = chapter
+            done, _ = wait(futures, return_when=FIRST_COMPLETED)
+            for future in done:
+                chapter = futures.pop(future)
+                nb, seconds, error = future.result()
+                nbformat.write(nb, out / f"{chapter.stem}.ipynb")
+                results[chapter.stem] = (nb, seconds, error)
+                print(f"{chapter.stem}: executed in {seconds:.0f} s, "
+                      f"{len(failures(nb))} failed cell(s)", flush=True)
+    return results
+
+
+def chapter_report(chapter: Path, nb: Any, seconds: float, error: str | None) -> ChapterReport:
+    stored = nbformat.read(baseline.STORED_DIR / f"{chapter.stem}.ipynb", as_version=4)
+    report = ChapterReport(chapter.stem, len(code_cells(nb)), seconds, failures(nb),
+                           error=error if error and not failures(nb) else None)
+    report.quoted, report.moved = compare(prose_numbers(chapter), code_cells(stored),
+                                          code_cells(nb))
+    return report
+
+
+def commit() -> str:
+    head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT,
+                          capture_output=True, text=True, check=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.strip()
+    return head + (" (with uncommitted changes)" if dirty else "")
+
+
+def section(draw: str, shift: int, reports: list[ChapterReport], setup_seconds: float,
+            when: str, at: str) -> str:
+    failed = sum(len(r.failures) + (r.error is not None) for r in reports)
+    moved = sum(len(r.moved) for r in reports)
+    quoted = sum(r.quoted for r in reports)
+    lines = [f"<!-- draw: {draw} -->", f"## {DESCRIPTIONS[draw].format(shift=shift)}", "",
+             f"Commit {at}, {when}. Set-up (every model trained, nothing fetched) took "
+             f"{setup_seconds / 60:.0f} min; the chapters, two at a time, "
+             f"{sum(r.seconds for r in reports) / 60:.0f} CPU-min.", "",
+             f"**{failed} failed cell(s)**; of the {quoted} decimals the prose quotes that a "
+             f"cell prints, **{moved} moved**.", "",
+             "| chapter | code cells | failed | quoted and printed | moved |",
+             "| --- | --- | --- | --- | --- |"]
+    for r in reports:
+        lines.append(f"| {r.chapter} | {r.cells} | {len(r.failures) + (r.error is not None)} "
+                     f"| {r.quoted} | {len(r.moved)} |")
+    for r in reports:
+        if not (r.failures or r.moved or r.error):
+            continue
+        lines += ["", f"### {r.chapter}", ""]
+        if r.error:
+            lines.append(f"- could not be executed: `{r.error.splitlines()[-1][:200]}`")
+        for f in r.failures:
+            lines.append(f"- cell {f.cell + 1} failed at `{f.line}`: {f.message[:300]}")
+        for m in r.moved:
+            shown = "nothing" if m.redrawn is None else f"**{m.redrawn}**"
+            lines.append(f"- {m.number} → {shown} (cell {m.cell + 1}): \"…{m.context}…\"")
+    lines += ["", f"<!-- end of draw: {draw} -->", ""]
+    return "\n".join(lines)
+
+
+HEADER = """# The book under another draw
+
+What a reader with other bits gets: the whole book built from an empty cache under another
+draw, every chapter run to its end (`tools/redraw.py`, `make redraw`). A failed cell is a
+claim that one draw made true; a moved number is one the prose quotes that a reader with
+other bits sees printed differently, to be read against what the prose says of it.
+
+"""
+
+
+def write_report(draw: str, text: str, path: Path = REPORT) -> None:
+    """Replace ``draw``'s section of the report with ``text`` (the other draws' stay)."""
+    old = path.read_text(encoding="utf-8") if path.exists() else HEADER
+    sections = {m.group(1): m.group() for m in SECTION.finditer(old)}
+    sections[draw] = text
+    body = "".join(sections[d] + ("" if sections[d].endswith("\n") else "\n")
+                   for d in DRAWS if d in sections)
+    path.write_text(HEADER + body, encoding="utf-8")
+
+
+def run_draw(draw: str, shift: int, jobs: int, cache: Path | None, report: Path) -> int:
+    work = WORK / draw
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    cache = cache or work / "cache"
+    env = {**os.environ, "MINIGPT_CACHE": str(cache), "MINIGPT_MODELS_URL": "off",
+           **DRAWS[draw](shift)}
+    env.pop("MINIGPT_CENSUS", None)
+    print(f"redraw '{draw}': {DESCRIPTIONS[draw].format(shift=shift)}; cache {cache}",
+          flush=True)
+    at, when = commit(), datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    setup_seconds = set_up(env)
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)  # the kernels inherit the draw
+    try:
+        chapters = baseline.notebook_chapters()
+        results = execute_all(chapters, work, jobs)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    reports = [chapter_report(c, *results[c.stem]) for c in chapters]
+    write_report(draw, section(draw, shift, reports, setup_seconds, when, at), report)
+    failed = sum(len(r.failures) + (r.error is not None) for r in reports)
+    print(f"redraw '{draw}': {failed} failed cell(s), "
+          f"{sum(len(r.moved) for r in reports)} quoted number(s) moved; {report}", flush=True)
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("draws", nargs="+", choices=sorted(DRAWS), help="the draws to make")
+    parser.add_argument("--shift", type=int, default=1,
+                        help="the seed draw's MINIGPT_SEED_SHIFT (default: 1)")
+    parser.add_argument("--jobs", type=int, default=2, help="chapters executed at once")
+    parser.add_argument("--cache", type=Path,
+                        help="the draw's cache (default: _build/redraw/<draw>/cache, emptied)")
+    parser.add_argument("--report", type=Path, default=REPORT)
+    args = parser.parse_args(argv)
+    if args.shift < 1 or args.shift >= 2**32:
+        parser.error(f"--shift must be from 1 to {2**32 - 1}, got {args.shift}")
+    if args.jobs < 1:
+        parser.error(f"--jobs must be at least 1, got {args.jobs}")
+    if args.cache is not None and len(args.draws) > 1:
+        parser.error("--cache names one draw's cache: give one draw with it")
+    status = 0
+    for draw in dict.fromkeys(args.draws):
+        status |= run_draw(draw, args.shift, args.jobs, args.cache, args.report)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
