@@ -230,9 +230,8 @@ def test_the_evaluation_counts_what_it_says() -> None:
 
 def test_set_up_caches_the_cold_start_and_every_run_by_name() -> None:
     runs = [n for n in rewards.MODELS if n != "rl-cold"]
-    assert runs == [f"rl-{m}-{s}" for m in METHODS
-                    for s in (rewards.SEEDS if m in rewards.SEEDED else (0,))]
-    assert "rl-grpo-2" in runs and "rl-grpo-kl-1" not in runs  # seeds only where seeded
+    assert runs == [f"rl-{m}-{s}" for m in METHODS for s in rewards.SEEDS]
+    assert len(rewards.SEEDS) >= 3  # a comparison of methods needs their seeds' spread
     assert set(rewards.MODELS) <= set(catalogue.MODELS)
     assert catalogue.ALIASES["rl"] in catalogue.MODELS
 

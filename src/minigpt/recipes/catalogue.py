@@ -24,9 +24,9 @@ def names() -> str:
     runs = [n for n in MODELS if n.startswith("rl-") and n != "rl-cold"]
     others = sorted(n for n in MODELS if n not in runs)
     methods = ", ".join(rewards.METHODS)
-    return (f"{', '.join(others)}, rl-METHOD-SEED (METHOD one of {methods}; seeds "
-            f"{', '.join(map(str, rewards.SEEDS))} of {', '.join(rewards.SEEDED)}, 0 of the "
-            f"others), rl (= {ALIASES['rl']})") if runs else ", ".join(others)
+    return (f"{', '.join(others)}, rl-METHOD-SEED (METHOD one of {methods}; SEED one of "
+            f"{', '.join(map(str, rewards.SEEDS))}), rl (= {ALIASES['rl']})"
+            ) if runs else ", ".join(others)
 
 
 def train_seconds(info: pretrained.ModelInfo) -> float:
