@@ -1,0 +1,111 @@
+"""tools/redraw.py: a chapter runs to its end past a failing cell, and the report names the line
+that failed and every number the prose quotes that a cell printed differently."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat
+import pytest
+from helpers import load_tool
+
+tool = load_tool("redraw")
+
+HEADER = """---
+jupytext:
+  text_representation:
+    extension: .md
+    format_name: myst
+kernelspec:
+  display_name: Python 3
+  language: python
+  name: python3
+---
+"""
+
+
+def _chapter(path: Path, *cells: str) -> Path:
+    path.write_text(HEADER + "\n".join(cells), encoding="utf-8")
+    return path
+
+
+def _code(source: str) -> str:
+    return f"```{{code-cell}} ipython3\n{source}\n```\n"
+
+
+def _nb(*printed: str) -> nbformat.NotebookNode:
+    """A notebook of code cells, each of which printed one of ``printed``."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("", outputs=[nbformat.v4.new_output(
+        "stream", name="stdout", text=text)]) for text in printed]
+    return nb
+
+
+def test_a_chapter_runs_to_its_end_past_a_failing_assert_which_the_report_names(
+        tmp_path: Path) -> None:
+    chapter = _chapter(tmp_path / "claims.md",
+                       _code("loss = [0.5, 0.4, 0.45]\nprint(loss)"),
+                       _code("x = 1\nassert all(a > b for a, b in zip(loss, loss[1:])), "
+                             "'falls at every step'\nprint('never')"),
+                       _code("print('the end')"))
+    settings = tool.execute_chapters.book_settings() | {"allow_errors": True}
+    nb, _, _ = tool.execute_chapters.execute(chapter, settings)
+    (failure,) = tool.failures(nb)
+    assert failure.cell == 1
+    assert failure.line == ("assert all(a > b for a, b in zip(loss, loss[1:])), "
+                            "'falls at every step'")
+    assert failure.message == "AssertionError: falls at every step"
+    assert tool.output_text(tool.code_cells(nb)[2]) == "the end\n"  # ran on to the end
+
+
+def test_a_quoted_number_moves_only_if_its_cell_prints_it_differently_at_its_place() -> None:
+    quoted = [("0.844", "spread from 0.844"), ("0.950", "to 0.950"), ("1.5", "ratio 1.5"),
+              ("12345.6", "tokens 12,345.6"), ("0.25", "a number no cell printed")]
+    stored = tool.code_cells(_nb("seeds 0.844 0.950\n", "ratio 1.5 then 1.5\n",
+                                 "tokens 12,345.6\n"))
+    redrawn = tool.code_cells(_nb("seeds 0.739 0.950\n", "ratio 1.4 then 1.5\n",
+                                  "tokens 12345.6\n"))
+    printed, moved = tool.compare(quoted, stored, redrawn)
+    assert printed == 4  # 0.25 is printed by no cell: not compared
+    # 0.844 moved; 0.950 held; 1.5 held at one of its two places; 12,345.6 is 12345.6
+    # (the prose's numbers come canonical from prose_numbers)
+    assert [(m.number, m.redrawn, m.cell) for m in moved] == [("0.844", "0.739", 0)]
+
+
+def test_a_cell_that_printed_less_under_the_draw_moves_its_numbers_to_nothing() -> None:
+    printed, moved = tool.compare([("2.50", "x")], tool.code_cells(_nb("a 1.00 b 2.50\n")),
+                                  tool.code_cells(_nb("a 1.00\n")))
+    assert printed == 1 and [(m.number, m.redrawn) for m in moved] == [("2.50", None)]
+
+
+def test_the_prose_numbers_are_the_decimals_of_its_text_not_of_its_code(
+        tmp_path: Path) -> None:
+    chapter = _chapter(tmp_path / "prose.md", "The loss falls from 4.17 to 1.88 in 2000 steps, "
+                       "−0.11 of it late.\n", _code("print(3.14)"))
+    assert [n for n, _ in tool.prose_numbers(chapter)] == ["4.17", "1.88", "-0.11"]
+
+
+def test_a_draw_replaces_its_own_section_of_the_report_and_keeps_the_others(
+        tmp_path: Path) -> None:
+    report = tmp_path / "redraw.md"
+    tool.write_report("native", "<!-- draw: native -->\nfirst\n<!-- end of draw: native -->\n",
+                      report)
+    tool.write_report("seed", "<!-- draw: seed -->\nseed\n<!-- end of draw: seed -->\n", report)
+    tool.write_report("native", "<!-- draw: native -->\nagain\n<!-- end of draw: native -->\n",
+                      report)
+    text = report.read_text(encoding="utf-8")
+    assert text.startswith(tool.HEADER)
+    assert "again" in text and "first" not in text and "seed\n" in text
+    assert text.index("draw: seed") < text.index("draw: native")  # the order of DRAWS
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["seed", "--shift", "0"], "--shift must be from 1 to 4294967295, got 0"),
+    (["seed", "native", "--cache", "x"], "--cache names one draw's cache"),
+    (["native", "--jobs", "0"], "--jobs must be at least 1, got 0"),
+])
+def test_bad_arguments_are_refused(argv: list[str], message: str,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        tool.main(argv)
+    assert message in capsys.readouterr().err
