@@ -212,7 +212,7 @@ reproduce:
 
 # The whole book under another draw of its bits, the check of the chapters' claims
 # (tools/redraw.py): for each draw, every model trained from an empty cache of its own
-# (_build/redraw/DRAW/cache, nothing fetched) and every chapter executed to its end even where a
+# (_build/redraw/DRAW-cache, nothing fetched) and every chapter executed to its end even where a
 # cell fails; the report, docs/redraw.md, lists per chapter every failed cell and every number
 # the prose quotes that moved. DRAWS: seed (MINIGPT_SEED_SHIFT=SHIFT, every random stream
 # redrawn) and native (MINIGPT_PRODUCTS=native, PyTorch's own products: other rounding). Each

@@ -10,9 +10,10 @@ reader's book from an empty cache and reports what happened:
     .venv/bin/python tools/redraw.py native    # PyTorch's own products (MINIGPT_PRODUCTS=native)
     .venv/bin/python tools/redraw.py seed native --shift 7
 
-Each draw is a fresh set-up: an empty cache of its own (``_build/redraw/<draw>/cache``, or
-``--cache``), nothing fetched, every model trained in the lanes `make book-model` uses, then
-every chapter executed (two at a time, as `make book` does) with ``allow_errors``: a cell that
+Each draw is a fresh set-up: an empty cache of its own (``_build/redraw/<draw>-cache``, or
+``--cache``; ``--again`` keeps what it holds, to run changed chapters on the draw's models),
+nothing fetched, every model trained in the lanes `make book-model` uses, then every chapter
+executed (two at a time, as `make book` does) with ``allow_errors``: a cell that
 fails is recorded and the chapter runs on to its end, so one run lists every failure. The
 executed chapters are kept in ``_build/redraw/<draw>/<chapter>.ipynb``.
 
@@ -298,11 +299,15 @@ def write_report(draw: str, text: str, path: Path = REPORT) -> None:
     path.write_text(HEADER + body, encoding="utf-8")
 
 
-def run_draw(draw: str, shift: int, jobs: int, cache: Path | None, report: Path) -> int:
+def run_draw(draw: str, shift: int, jobs: int, cache: Path | None, report: Path,
+             again: bool = False) -> int:
     work = WORK / draw
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    cache = cache or work / "cache"
+    if cache is None:
+        cache = WORK / f"{draw}-cache"
+        if not again:
+            shutil.rmtree(cache, ignore_errors=True)
     env = {**os.environ, "MINIGPT_CACHE": str(cache), "MINIGPT_MODELS_URL": "off",
            **DRAWS[draw](shift)}
     env.pop("MINIGPT_CENSUS", None)
@@ -334,7 +339,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="the seed draw's MINIGPT_SEED_SHIFT (default: 1)")
     parser.add_argument("--jobs", type=int, default=2, help="chapters executed at once")
     parser.add_argument("--cache", type=Path,
-                        help="the draw's cache (default: _build/redraw/<draw>/cache, emptied)")
+                        help="the draw's cache (default: _build/redraw/<draw>-cache, emptied "
+                        "first unless --again)")
+    parser.add_argument("--again", action="store_true",
+                        help="keep what the draw's cache holds (after a chapter changed: its "
+                        "models and kept runs are not trained again, only verified)")
     parser.add_argument("--report", type=Path, default=REPORT)
     args = parser.parse_args(argv)
     if args.shift < 1 or args.shift >= 2**32:
@@ -345,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--cache names one draw's cache: give one draw with it")
     status = 0
     for draw in dict.fromkeys(args.draws):
-        status |= run_draw(draw, args.shift, args.jobs, args.cache, args.report)
+        status |= run_draw(draw, args.shift, args.jobs, args.cache, args.report, args.again)
     return status
 
 
