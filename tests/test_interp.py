@@ -258,6 +258,31 @@ def _corrupted(seed: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
     return clean, corrupt
 
 
+def test_patching_grid_is_a_ratio_of_means_with_one_token_or_one_a_row(model):
+    clean, corrupt = _corrupted()
+    answer, right, wrong = 7, 2, 5
+    grid = patching_grid(model, clean, corrupt, answer, right, wrong)
+    assert torch.equal(grid, patching_grid(model, clean, corrupt, answer,
+                                           torch.full((3,), right), torch.tensor(wrong)))
+    rows = torch.arange(3)
+    tokens = torch.tensor([2, 6, 9])  # a right token of each row's own
+
+    def d(logits: torch.Tensor, right: torch.Tensor | int) -> torch.Tensor:
+        return logits[rows, answer, right] - logits[rows, answer, wrong]
+
+    own = patching_grid(model, clean, corrupt, answer, tokens, wrong)
+    stream = residual_stream(model, clean)
+    with torch.no_grad():
+        logits_clean, logits_corrupt = model(clean), model(corrupt)
+    for right_of, got in ((right, grid), (tokens, own)):
+        d_clean, d_corrupt = d(logits_clean, right_of), d(logits_corrupt, right_of)
+        for after, position in ((0, 3), (1, 3), (1, 5), (2, answer)):
+            patched = d(patched_logits(model, corrupt, stream, after, position), right_of)
+            expected = (patched - d_corrupt).mean() / (d_clean - d_corrupt).mean()
+            assert float(got[after, position]) == pytest.approx(float(expected), abs=1e-5)
+    assert not torch.allclose(own, grid)  # the rows' own tokens are read
+
+
 def test_head_patching_by_hand_and_with_one_token_or_one_a_row(model):
     clean, corrupt = _corrupted()
     answer, right, wrong = 7, 2, 5
@@ -322,13 +347,14 @@ def test_head_patching_is_0_for_a_head_that_writes_alike_and_1_for_the_only_path
     (dict(wrong=2.5), "wrong must be one token id or 3 ids"),
     (dict(corrupt_ids=None), "nothing to restore"),
 ])
-def test_head_patching_refuses_bad_input_with_the_reason(model, change, message):
+@pytest.mark.parametrize("patching", [head_patching, patching_grid])
+def test_patching_refuses_bad_input_with_the_reason(model, change, message, patching):
     clean, corrupt = _corrupted()
     args = dict(clean_ids=clean, corrupt_ids=corrupt, answer=7, right=2, wrong=5) | change
     if args["corrupt_ids"] is None:  # the corrupted run is the clean one
         args["corrupt_ids"] = clean
     with pytest.raises(ValueError, match=message):
-        head_patching(model, **args)
+        patching(model, **args)
 
 
 # ------------------------------------------------------------------- repeated sequences

@@ -3,7 +3,7 @@ patching of positions and of single heads."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 from typing import Any, Literal
@@ -120,30 +120,30 @@ def patched_logits(model: GPT, ids: Tensor, clean: Tensor, after: int, position:
 
 
 def patching_grid(model: GPT, clean_ids: Tensor, corrupt_ids: Tensor, answer: int,
-                  right: int, wrong: int) -> Tensor:
-    """(L + 1, T): how much of the clean run's preference for token ``right`` over ``wrong``
+                  right: int | Tensor, wrong: int | Tensor) -> Tensor:
+    """(L + 1, T): how much of the clean runs' preference for token ``right`` over ``wrong``
     at position ``answer`` each patch restores, one position of the stream after each block
     copied from the clean run into the corrupted one.
 
-    With d = logit(right) - logit(wrong) at ``answer``, a patch's entry is
-    (d_patched - d_corrupt) / (d_clean - d_corrupt), averaged over the batch: 0 changes
-    nothing, 1 restores the clean run's preference. ``clean_ids`` and ``corrupt_ids`` are
-    (B, T).
-    """
-    def preference(logits: Tensor) -> Tensor:
-        return logits[:, answer, right] - logits[:, answer, wrong]
+    With d = logit(right) - logit(wrong) at ``answer`` in each row, a patch's entry is
+    mean(d_patched - d_corrupt) / mean(d_clean - d_corrupt), means over the rows (as in
+    `head_patching`): 0 changes nothing, 1 restores the clean preference on average.
 
+    Args:
+        clean_ids, corrupt_ids: (B, T) ids, the same shape.
+        answer: the position whose prediction is read, 0 <= answer < T.
+        right, wrong: the two tokens compared, one id for every row or (B,) ids.
+    """
+    preference = _preference(clean_ids, corrupt_ids, answer, right, wrong)
     clean = residual_stream(model, clean_ids)
     with torch.no_grad():
         d_clean, d_corrupt = preference(model(clean_ids)), preference(model(corrupt_ids))
-    if not bool((d_clean != d_corrupt).all()):
-        raise ValueError("the corrupted ids must change the preference for right over wrong "
-                         "in every row: a row where it does not has nothing to restore")
+    moved = _moved(d_clean, d_corrupt)
     grid = torch.empty(len(blocks(model)) + 1, clean_ids.shape[1])
     for after in range(len(blocks(model)) + 1):
         for position in range(clean_ids.shape[1]):
             d = preference(patched_logits(model, corrupt_ids, clean, after, position))
-            grid[after, position] = ((d - d_corrupt) / (d_clean - d_corrupt)).mean()
+            grid[after, position] = (d - d_corrupt).mean() / moved
     return grid
 
 
@@ -163,6 +163,26 @@ def head_patching(model: GPT, clean_ids: Tensor, corrupt_ids: Tensor, answer: in
         answer: the position whose prediction is read, 0 <= answer < T.
         right, wrong: the two tokens compared, one id for every row or (B,) ids.
     """
+    preference = _preference(clean_ids, corrupt_ids, answer, right, wrong)
+    with torch.no_grad(), recorded_heads(model) as clean:
+        d_clean = preference(model(clean_ids))
+    with torch.no_grad():
+        d_corrupt = preference(model(corrupt_ids))
+    moved = _moved(d_clean, d_corrupt)
+    written = torch.stack(clean).movedim(3, 1)  # (L, H, B, T, d_k): the clean outputs
+    grid = torch.empty(len(clean), model.config.n_heads)
+    for layer in range(len(clean)):
+        for head in range(model.config.n_heads):
+            with torch.no_grad(), ablated(model, [(layer, head)], written):
+                d = preference(model(corrupt_ids))
+            grid[layer, head] = (d - d_corrupt).mean() / moved
+    return grid
+
+
+def _preference(clean_ids: Tensor, corrupt_ids: Tensor, answer: int, right: int | Tensor,
+                wrong: int | Tensor) -> Callable[[Tensor], Tensor]:
+    """The patching functions' inputs checked, and their measure: logits (B, T, V) to
+    logit(right) - logit(wrong) at ``answer`` in each row, (B,)."""
     if clean_ids.ndim != 2 or clean_ids.shape != corrupt_ids.shape:
         raise ValueError(f"clean_ids and corrupt_ids must be (B, T) ids of one shape, got "
                          f"{tuple(clean_ids.shape)} and {tuple(corrupt_ids.shape)}")
@@ -181,19 +201,14 @@ def head_patching(model: GPT, clean_ids: Tensor, corrupt_ids: Tensor, answer: in
     def preference(logits: Tensor) -> Tensor:
         return logits[rows, answer, tokens[0]] - logits[rows, answer, tokens[1]]
 
-    with torch.no_grad(), recorded_heads(model) as clean:
-        d_clean = preference(model(clean_ids))
-    with torch.no_grad():
-        d_corrupt = preference(model(corrupt_ids))
+    return preference
+
+
+def _moved(d_clean: Tensor, d_corrupt: Tensor) -> float:
+    """mean(d_clean - d_corrupt), refused when 0: a corruption that leaves the mean
+    preference unchanged leaves nothing to restore."""
     moved = float((d_clean - d_corrupt).mean())
     if moved == 0.0:
         raise ValueError("the corruption leaves the mean preference for right over wrong "
                          "unchanged: there is nothing to restore")
-    written = torch.stack(clean).movedim(3, 1)  # (L, H, B, T, d_k): the clean outputs
-    grid = torch.empty(len(clean), model.config.n_heads)
-    for layer in range(len(clean)):
-        for head in range(model.config.n_heads):
-            with torch.no_grad(), ablated(model, [(layer, head)], written):
-                d = preference(model(corrupt_ids))
-            grid[layer, head] = (d - d_corrupt).mean() / moved
-    return grid
+    return moved
