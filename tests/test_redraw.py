@@ -109,3 +109,61 @@ def test_bad_arguments_are_refused(argv: list[str], message: str,
     with pytest.raises(SystemExit):
         tool.main(argv)
     assert message in capsys.readouterr().err
+
+
+def _git(root: Path, *args: str) -> str:
+    import subprocess
+    return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def test_only_what_a_kept_chapter_does_not_run_may_change_after_it_ran(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _git(tmp_path, "init", "-q")
+    for name, text in (("book/a.md", "a"), ("book/b.md", "b"), ("src/m.py", "x = 1"),
+                       ("tests/notebooks/a.ipynb", "{}"), ("docs/redraw.md", "")):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text, encoding="utf-8")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    sha = _git(tmp_path, "rev-parse", "HEAD")
+    monkeypatch.setattr(tool, "ROOT", tmp_path)
+    # the chapter run again, its stored notebook and the report: nothing a kept chapter runs
+    for name in ("book/a.md", "tests/notebooks/a.ipynb", "docs/redraw.md"):
+        (tmp_path / name).write_text("changed", encoding="utf-8")
+    assert tool.changed_since(sha, ["book/a.md"]) == []
+    # another chapter, or the package: the kept chapters' runs no longer describe this commit
+    assert tool.changed_since(sha, ["book/b.md"]) == ["book/a.md"]
+    (tmp_path / "src/m.py").write_text("x = 2", encoding="utf-8")
+    assert tool.changed_since(sha, ["book/a.md"]) == ["src/m.py"]
+
+
+def test_only_is_refused_without_an_earlier_run_or_with_another_shift(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(tool, "WORK", tmp_path)
+    with pytest.raises(SystemExit):
+        tool.main(["seed", "--only", "intro"])
+    assert "draw 'seed' has no earlier run" in capsys.readouterr().err
+    (tmp_path / "seed").mkdir()
+    (tmp_path / "seed" / tool.RUNS).write_text(
+        '{"chapters": {}, "shift": 1, "setup_seconds": 60}', encoding="utf-8")
+    with pytest.raises(SystemExit):
+        tool.main(["seed", "--shift", "7", "--only", "intro"])
+    assert "ran with --shift 1, not 7" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tool.main(["seed", "--only", "no_such_chapter"])
+    assert "no such chapter(s) ['no_such_chapter']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # the other chapters never ran in that draw
+        tool.main(["seed", "--only", "intro"])
+    assert "was not run at a commit in the last 'seed' draw" in capsys.readouterr().err
+
+
+def test_the_report_says_which_chapters_ran_again_and_at_which_commit() -> None:
+    reports = [tool.ChapterReport(name, 3, 60.0) for name in ("a", "b", "c")]
+    text = tool.section("native", 1, reports, 600.0, "2026-11-29 10:00 UTC", "bbb",
+                        {"a": "aaa", "b": "bbb", "c": "aaa"})
+    assert "Commit aaa, 2026-11-29 10:00 UTC. Run again at bbb" in text
+    assert "in those chapters and the stored notebooks only: b." in text
+    alone = tool.section("native", 1, reports, 600.0, "2026-11-29 10:00 UTC", "aaa")
+    assert "Commit aaa, 2026-11-29 10:00 UTC. Set-up" in alone

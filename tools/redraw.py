@@ -11,11 +11,18 @@ reader's book from an empty cache and reports what happened:
     .venv/bin/python tools/redraw.py seed native --shift 7
 
 Each draw is a fresh set-up: an empty cache of its own (``_build/redraw/<draw>-cache``, or
-``--cache``; ``--again`` keeps what it holds, to run changed chapters on the draw's models),
+``--cache``; ``--again`` keeps what it holds, to run the chapters again on the draw's models),
 nothing fetched, every model trained in the lanes `make book-model` uses, then every chapter
 executed (two at a time, as `make book` does) with ``allow_errors``: a cell that
 fails is recorded and the chapter runs on to its end, so one run lists every failure. The
 executed chapters are kept in ``_build/redraw/<draw>/<chapter>.ipynb``.
+
+After a fix to one chapter, ``--only CHAPTER...`` executes only those chapters again (on the
+draw's kept cache) and keeps the others' executed notebooks from the draw's last run. That is
+refused unless nothing a kept chapter runs has changed since the commit it ran at (a file of
+the repository other than the chapters run again, the stored notebooks and the docs): the
+report still describes the book of one commit, and says which chapters were run again at
+which commit.
 
 The report, docs/redraw.md, has a section for each draw (the commit and the date it ran at;
 a new run of a draw replaces that draw's section, the other draw's stays), and in it, per
@@ -36,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import re
 import shutil
@@ -249,13 +257,24 @@ def commit() -> str:
 
 
 def section(draw: str, shift: int, reports: list[ChapterReport], setup_seconds: float,
-            when: str, at: str) -> str:
+            when: str, at: str, runs: dict[str, str] | None = None) -> str:
+    """The draw's section of the report; ``runs`` gives the commit each chapter ran at, where
+    some were run again (`--only`) after the others (default: all at ``at``)."""
     failed = sum(len(r.failures) + (r.error is not None) for r in reports)
     moved = sum(len(r.moved) for r in reports)
     quoted = sum(r.quoted for r in reports)
+    runs = runs or {r.chapter: at for r in reports}
+    first = max(set(runs.values()), key=list(runs.values()).count)  # most chapters ran here
+    again = {}
+    for chapter, commit_at in runs.items():
+        if commit_at != first:
+            again.setdefault(commit_at, []).append(chapter)
+    rerun = "".join(f" Run again at {c}, which differs from {first} in those chapters "
+                    f"and the stored notebooks only: {', '.join(names)}."
+                    for c, names in again.items())
     lines = [f"<!-- draw: {draw} -->", f"## {DESCRIPTIONS[draw].format(shift=shift)}", "",
-             f"Commit {at}, {when}. Set-up (every model trained, nothing fetched) took "
-             f"{setup_seconds / 60:.0f} min; the chapters, two at a time, "
+             f"Commit {first}, {when}.{rerun} Set-up (every model trained, nothing fetched) "
+             f"took {setup_seconds / 60:.0f} min; the chapters, two at a time, "
              f"{sum(r.seconds for r in reports) / 60:.0f} CPU-min.", "",
              f"**{failed} failed cell(s)**; of the {quoted} decimals the prose quotes that a "
              f"cell prints, **{moved} moved**.", "",
@@ -299,14 +318,68 @@ def write_report(draw: str, text: str, path: Path = REPORT) -> None:
     path.write_text(HEADER + body, encoding="utf-8")
 
 
+#: What a draw's last run executed: chapter -> the commit it ran at, seconds, date.
+RUNS = "runs.json"
+#: What a kept chapter's execution does not depend on: files that may change between the
+#: commit it ran at and a run of other chapters (`--only`).
+NOT_RUN = ("tests/notebooks", "docs")
+
+
+def head() -> str:
+    """The full hash of HEAD, or '' if the work tree has uncommitted changes."""
+    sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout.strip()
+    return "" if commit().endswith("changes)") else sha
+
+
+def changed_since(sha: str, keep: list[str]) -> list[str]:
+    """The files of the work tree that differ from commit ``sha``, but for ``keep`` and
+    `NOT_RUN`: what may have changed what a chapter run at ``sha`` would do."""
+    excluded = [f":(exclude){path}" for path in [*keep, *NOT_RUN]]
+    out = subprocess.run(["git", "diff", "--name-only", sha, "--", ".", *excluded], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    return out.split()
+
+
+def kept_runs(draw: str, only: list[str], shift: int) -> dict[str, Any]:
+    """The draw's last run, for `--only`: its record, checked to still describe this commit
+    for every chapter not in ``only`` (a ValueError says what stops it)."""
+    record_path = WORK / draw / RUNS
+    if not record_path.is_file():
+        raise ValueError(f"draw '{draw}' has no earlier run in {WORK / draw} to keep: "
+                         "run the whole draw first")
+    record: dict[str, Any] = json.loads(record_path.read_text(encoding="utf-8"))
+    if draw == "seed" and record["shift"] != shift:
+        raise ValueError(f"the last '{draw}' draw ran with --shift {record['shift']}, not "
+                         f"{shift}")
+    chapters = {c.stem for c in baseline.notebook_chapters()}
+    unknown = sorted(set(only) - chapters)
+    if unknown:
+        raise ValueError(f"no such chapter(s) {unknown}; the chapters are {sorted(chapters)}")
+    keep = [f"book/{name}.md" for name in only]
+    for name in sorted(chapters - set(only)):
+        run = record["chapters"].get(name)
+        if run is None or not run["commit"]:
+            raise ValueError(f"chapter {name} was not run at a commit in the last '{draw}' "
+                             "draw: run it too, or the whole draw")
+        changed = changed_since(run["commit"], keep)
+        if changed:
+            raise ValueError(f"chapter {name} ran at {run['commit'][:12]}, and since then "
+                             f"{', '.join(changed[:5])} changed: run it too, or the whole "
+                             "draw")
+    return record
+
+
 def run_draw(draw: str, shift: int, jobs: int, cache: Path | None, report: Path,
-             again: bool = False) -> int:
+             again: bool = False, only: list[str] | None = None) -> int:
     work = WORK / draw
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
+    record = kept_runs(draw, only, shift) if only else {"chapters": {}}
+    if not only:
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
     if cache is None:
         cache = WORK / f"{draw}-cache"
-        if not again:
+        if not (again or only):
             shutil.rmtree(cache, ignore_errors=True)
     env = {**os.environ, "MINIGPT_CACHE": str(cache), "MINIGPT_MODELS_URL": "off",
            **DRAWS[draw](shift)}
@@ -315,17 +388,32 @@ def run_draw(draw: str, shift: int, jobs: int, cache: Path | None, report: Path,
           flush=True)
     at, when = commit(), datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     setup_seconds = set_up(env)
+    if only:  # what set-up took when the draw trained every model
+        setup_seconds = record["setup_seconds"]
     saved = dict(os.environ)
     os.environ.clear()
     os.environ.update(env)  # the kernels inherit the draw
+    chapters = baseline.notebook_chapters()
     try:
-        chapters = baseline.notebook_chapters()
-        results = execute_all(chapters, work, jobs)
+        results = execute_all([c for c in chapters if not only or c.stem in only], work,
+                              jobs)
     finally:
         os.environ.clear()
         os.environ.update(saved)
+    sha = head()
+    for name, (_, seconds, _) in results.items():
+        record["chapters"][name] = {"commit": sha, "at": at, "seconds": seconds,
+                                    "date": when}
+    for c in chapters:  # the kept chapters, as the draw's last run executed them
+        if c.stem not in results:
+            run = record["chapters"][c.stem]
+            nb = nbformat.read(work / f"{c.stem}.ipynb", as_version=4)
+            results[c.stem] = (nb, run["seconds"], None)
+    record |= {"draw": draw, "shift": shift, "setup_seconds": setup_seconds}
+    (work / RUNS).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
     reports = [chapter_report(c, *results[c.stem]) for c in chapters]
-    write_report(draw, section(draw, shift, reports, setup_seconds, when, at), report)
+    runs = {c.stem: record["chapters"][c.stem]["at"] for c in chapters}
+    write_report(draw, section(draw, shift, reports, setup_seconds, when, at, runs), report)
     failed = sum(len(r.failures) + (r.error is not None) for r in reports)
     print(f"redraw '{draw}': {failed} failed cell(s), "
           f"{sum(len(r.moved) for r in reports)} quoted number(s) moved; {report}", flush=True)
@@ -344,6 +432,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--again", action="store_true",
                         help="keep what the draw's cache holds (after a chapter changed: its "
                         "models and kept runs are not trained again, only verified)")
+    parser.add_argument("--only", nargs="+", metavar="CHAPTER",
+                        help="execute only these chapters again, on the draw's cache, and keep "
+                        "the others from the draw's last run (refused if anything they run "
+                        "changed since)")
     parser.add_argument("--report", type=Path, default=REPORT)
     args = parser.parse_args(argv)
     if args.shift < 1 or args.shift >= 2**32:
@@ -352,9 +444,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
     if args.cache is not None and len(args.draws) > 1:
         parser.error("--cache names one draw's cache: give one draw with it")
+    if args.only:
+        for draw in dict.fromkeys(args.draws):  # before anything runs
+            try:
+                kept_runs(draw, args.only, args.shift)
+            except ValueError as err:
+                parser.error(f"--only: {err}")
     status = 0
     for draw in dict.fromkeys(args.draws):
-        status |= run_draw(draw, args.shift, args.jobs, args.cache, args.report, args.again)
+        status |= run_draw(draw, args.shift, args.jobs, args.cache, args.report, args.again,
+                           args.only)
     return status
 
 
