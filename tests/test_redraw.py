@@ -166,4 +166,7 @@ def test_the_report_says_which_chapters_ran_again_and_at_which_commit() -> None:
     assert "Commit aaa, 2026-11-29 10:00 UTC. Run again at bbb" in text
     assert "in those chapters and the stored notebooks only: b." in text
     alone = tool.section("native", 1, reports, 600.0, "2026-11-29 10:00 UTC", "aaa")
-    assert "Commit aaa, 2026-11-29 10:00 UTC. Set-up" in alone
+    assert "Commit aaa, 2026-11-29 10:00 UTC. Set-up (every model trained" in alone
+    kept = tool.section("native", 1, reports, 6.0, "2026-11-29 10:00 UTC", "aaa",
+                        trained=False)
+    assert "were kept in the draw's cache from an earlier set-up, and verified" in kept

@@ -257,9 +257,11 @@ def commit() -> str:
 
 
 def section(draw: str, shift: int, reports: list[ChapterReport], setup_seconds: float,
-            when: str, at: str, runs: dict[str, str] | None = None) -> str:
+            when: str, at: str, runs: dict[str, str] | None = None,
+            trained: bool = True) -> str:
     """The draw's section of the report; ``runs`` gives the commit each chapter ran at, where
-    some were run again (`--only`) after the others (default: all at ``at``)."""
+    some were run again (`--only`) after the others (default: all at ``at``); ``trained``:
+    whether set-up trained the models (else it found them in the draw's cache, `--again`)."""
     failed = sum(len(r.failures) + (r.error is not None) for r in reports)
     moved = sum(len(r.moved) for r in reports)
     quoted = sum(r.quoted for r in reports)
@@ -273,8 +275,11 @@ def section(draw: str, shift: int, reports: list[ChapterReport], setup_seconds: 
                     f"and the stored notebooks only: {', '.join(names)}."
                     for c, names in again.items())
     lines = [f"<!-- draw: {draw} -->", f"## {DESCRIPTIONS[draw].format(shift=shift)}", "",
-             f"Commit {first}, {when}.{rerun} Set-up (every model trained, nothing fetched) "
-             f"took {setup_seconds / 60:.0f} min; the chapters, two at a time, "
+             f"Commit {first}, {when}.{rerun} "
+             + (f"Set-up (every model trained, nothing fetched) took {setup_seconds / 60:.0f}"
+                " min" if trained else "The models were kept in the draw's cache from an "
+                f"earlier set-up, and verified ({setup_seconds / 60:.0f} min)")
+             + "; the chapters, two at a time, "
              f"{sum(r.seconds for r in reports) / 60:.0f} CPU-min.", "",
              f"**{failed} failed cell(s)**; of the {quoted} decimals the prose quotes that a "
              f"cell prints, **{moved} moved**.", "",
@@ -413,7 +418,8 @@ def run_draw(draw: str, shift: int, jobs: int, cache: Path | None, report: Path,
     (work / RUNS).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
     reports = [chapter_report(c, *results[c.stem]) for c in chapters]
     runs = {c.stem: record["chapters"][c.stem]["at"] for c in chapters}
-    write_report(draw, section(draw, shift, reports, setup_seconds, when, at, runs), report)
+    write_report(draw, section(draw, shift, reports, setup_seconds, when, at, runs,
+                               trained=not (again or only)), report)
     failed = sum(len(r.failures) + (r.error is not None) for r in reports)
     print(f"redraw '{draw}': {failed} failed cell(s), "
           f"{sum(len(r.moved) for r in reports)} quoted number(s) moved; {report}", flush=True)
