@@ -20,7 +20,7 @@ executed chapters are kept in ``_build/redraw/<draw>/<chapter>.ipynb``.
 After a fix to one chapter, ``--only CHAPTER...`` executes only those chapters again (on the
 draw's kept cache) and keeps the others' executed notebooks from the draw's last run. That is
 refused unless nothing a kept chapter runs has changed since the commit it ran at (a file of
-the repository other than the chapters run again, the stored notebooks and the docs): the
+the repository other than the chapters run again, the tests, the docs and this tool): the
 report still describes the book of one commit, and says which chapters were run again at
 which commit.
 
@@ -271,8 +271,8 @@ def section(draw: str, shift: int, reports: list[ChapterReport], setup_seconds: 
     for chapter, commit_at in runs.items():
         if commit_at != first:
             again.setdefault(commit_at, []).append(chapter)
-    rerun = "".join(f" Run again at {c}, which differs from {first} in those chapters "
-                    f"and the stored notebooks only: {', '.join(names)}."
+    rerun = "".join(f" Run again at {c}, which differs from {first} in those chapters, "
+                    f"the tests and the docs only: {', '.join(names)}."
                     for c, names in again.items())
     lines = [f"<!-- draw: {draw} -->", f"## {DESCRIPTIONS[draw].format(shift=shift)}", "",
              f"Commit {first}, {when}.{rerun} "
@@ -326,8 +326,10 @@ def write_report(draw: str, text: str, path: Path = REPORT) -> None:
 #: What a draw's last run executed: chapter -> the commit it ran at, seconds, date.
 RUNS = "runs.json"
 #: What a kept chapter's execution does not depend on: files that may change between the
-#: commit it ran at and a run of other chapters (`--only`).
-NOT_RUN = ("tests/notebooks", "docs")
+#: commit it ran at and a run of other chapters (`--only`): the tests and the stored
+#: notebooks, the docs and this report's own writer (a chapter is executed by
+#: tools/execute_chapters.py, which stays in).
+NOT_RUN = ("tests", "docs", "tools/redraw.py")
 
 
 def head() -> str:
