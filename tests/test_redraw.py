@@ -170,3 +170,11 @@ def test_the_report_says_which_chapters_ran_again_and_at_which_commit() -> None:
     kept = tool.section("native", 1, reports, 6.0, "2026-11-29 10:00 UTC", "aaa",
                         trained=False)
     assert "were kept in the draw's cache from an earlier set-up, and verified" in kept
+
+
+def test_a_quoted_number_s_context_is_cut_between_words() -> None:
+    text = "the held-out loss rises by 0.415 while the training loss keeps falling to 1.512"
+    at = text.index("0.415")
+    assert tool.around(text, at, at + 5, before=12, after=10) == "rises by 0.415 while"
+    assert tool.around(text, 0, 3, before=12, after=200) == text  # the whole text: as it is
+    assert tool.around("abcx0.415yzw", 4, 9, before=2, after=1) == "0.415"  # no space near

@@ -141,9 +141,21 @@ def prose_numbers(chapter: Path) -> list[tuple[str, str]]:
             continue
         text = " ".join(cell.source.split())
         for m in NUMBER.finditer(text):
-            context = text[max(0, m.start() - 50):m.end() + 30]
-            found.append((canonical(m.group()), context))
+            found.append((canonical(m.group()), around(text, m.start(), m.end())))
     return found
+
+
+def around(text: str, start: int, end: int, before: int = 50, after: int = 30) -> str:
+    """``text[start:end]`` with about ``before`` and ``after`` characters of its context,
+    cut between words (a word cut in two would read as a misspelling)."""
+    left = max(0, start - before)
+    if left > 0:
+        left = text.find(" ", left, start) + 1  # 0 if no space: from the number itself
+        left = left or start
+    right = min(len(text), end + after)
+    if right < len(text):
+        right = max(text.rfind(" ", end, right), end)
+    return text[left:right]
 
 
 def code_cells(nb: Any) -> list[Any]:
