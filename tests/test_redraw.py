@@ -164,7 +164,7 @@ def test_the_report_says_which_chapters_ran_again_and_at_which_commit() -> None:
     text = tool.section("native", 1, reports, 600.0, "2026-11-29 10:00 UTC", "bbb",
                         {"a": "aaa", "b": "bbb", "c": "aaa"})
     assert "Commit aaa, 2026-11-29 10:00 UTC. Run again at bbb" in text
-    assert "in those chapters, the tests and the docs only: b." in text
+    assert "only in those chapters and in files no chapter runs" in text and ": b." in text
     alone = tool.section("native", 1, reports, 600.0, "2026-11-29 10:00 UTC", "aaa")
     assert "Commit aaa, 2026-11-29 10:00 UTC. Set-up (every model trained" in alone
     kept = tool.section("native", 1, reports, 6.0, "2026-11-29 10:00 UTC", "aaa",

@@ -283,8 +283,9 @@ def section(draw: str, shift: int, reports: list[ChapterReport], setup_seconds: 
     for chapter, commit_at in runs.items():
         if commit_at != first:
             again.setdefault(commit_at, []).append(chapter)
-    rerun = "".join(f" Run again at {c}, which differs from {first} in those chapters, "
-                    f"the tests and the docs only: {', '.join(names)}."
+    rerun = "".join(f" Run again at {c}, which differs from {first} only in those chapters "
+                    f"and in files no chapter runs (the tests, the docs, this tool): "
+                    f"{', '.join(names)}."
                     for c, names in again.items())
     lines = [f"<!-- draw: {draw} -->", f"## {DESCRIPTIONS[draw].format(shift=shift)}", "",
              f"Commit {first}, {when}.{rerun} "
