@@ -20,7 +20,7 @@ executed chapters are kept in ``_build/redraw/<draw>/<chapter>.ipynb``.
 After a fix to one chapter, ``--only CHAPTER...`` executes only those chapters again (on the
 draw's kept cache) and keeps the others' executed notebooks from the draw's last run. That is
 refused unless nothing a kept chapter runs has changed since the commit it ran at (a file of
-the repository other than the chapters run again, the tests, the docs and this tool): the
+the repository other than the other chapters' pages, the tests, the docs and this tool): the
 report still describes the book of one commit, and says which chapters were run again at
 which commit.
 
@@ -376,8 +376,9 @@ def kept_runs(draw: str, only: list[str], shift: int) -> dict[str, Any]:
     unknown = sorted(set(only) - chapters)
     if unknown:
         raise ValueError(f"no such chapter(s) {unknown}; the chapters are {sorted(chapters)}")
-    keep = [f"book/{name}.md" for name in only]
     for name in sorted(chapters - set(only)):
+        # a chapter's execution reads its own page, not the other chapters' pages
+        keep = [f"book/{other}.md" for other in sorted(chapters) if other != name]
         run = record["chapters"].get(name)
         if run is None or not run["commit"]:
             raise ValueError(f"chapter {name} was not run at a commit in the last '{draw}' "
