@@ -161,10 +161,12 @@ def test_only_is_refused_without_an_earlier_run_or_with_another_shift(
 
 def test_the_report_says_which_chapters_ran_again_and_at_which_commit() -> None:
     reports = [tool.ChapterReport(name, 3, 60.0) for name in ("a", "b", "c")]
-    text = tool.section("native", 1, reports, 600.0, "2026-11-29 10:00 UTC", "bbb",
-                        {"a": "aaa", "b": "bbb", "c": "aaa"})
-    assert "Commit aaa, 2026-11-29 10:00 UTC. Run again at bbb" in text
-    assert "only in those chapters and in files no chapter runs" in text and ": b." in text
+    text = tool.section("native", 1, reports, 600.0, "2026-11-29 12:00 UTC", "bbb",
+                        {"a": "aaa", "b": "bbb", "c": "aaa"},
+                        dates={"aaa": "2026-11-29 10:00 UTC"})
+    assert text.count("The book of commit bbb: each chapter ran at a commit where") == 1
+    assert "Most ran at aaa (2026-11-29 10:00 UTC); run again at bbb (2026-11-29 12:00 UTC): b." \
+        in text
     alone = tool.section("native", 1, reports, 600.0, "2026-11-29 10:00 UTC", "aaa")
     assert "Commit aaa, 2026-11-29 10:00 UTC. Set-up (every model trained" in alone
     kept = tool.section("native", 1, reports, 6.0, "2026-11-29 10:00 UTC", "aaa",

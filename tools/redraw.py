@@ -270,25 +270,32 @@ def commit() -> str:
 
 def section(draw: str, shift: int, reports: list[ChapterReport], setup_seconds: float,
             when: str, at: str, runs: dict[str, str] | None = None,
-            trained: bool = True) -> str:
+            trained: bool = True, dates: dict[str, str] | None = None) -> str:
     """The draw's section of the report; ``runs`` gives the commit each chapter ran at, where
-    some were run again (`--only`) after the others (default: all at ``at``); ``trained``:
-    whether set-up trained the models (else it found them in the draw's cache, `--again`)."""
+    some were run again (`--only`) after the others (default: all at ``at``), and ``dates``
+    the date of each such commit's run (default: ``when``); ``trained``: whether set-up
+    trained the models (else it found them in the draw's cache, `--again`)."""
     failed = sum(len(r.failures) + (r.error is not None) for r in reports)
     moved = sum(len(r.moved) for r in reports)
     quoted = sum(r.quoted for r in reports)
     runs = runs or {r.chapter: at for r in reports}
+    dates = dates or {}
     first = max(set(runs.values()), key=list(runs.values()).count)  # most chapters ran here
-    again = {}
+    again: dict[str, list[str]] = {}
     for chapter, commit_at in runs.items():
         if commit_at != first:
             again.setdefault(commit_at, []).append(chapter)
-    rerun = "".join(f" Run again at {c}, which differs from {first} only in those chapters "
-                    f"and in files no chapter runs (the tests, the docs, this tool): "
-                    f"{', '.join(names)}."
-                    for c, names in again.items())
+    if again:  # `--only` checked that every kept chapter is as at ``at``
+        ran = (f"The book of commit {at}: each chapter ran at a commit where its page and "
+               f"everything it runs were as in {at} (they differ only in other chapters' "
+               f"pages, the tests, the docs and this tool). Most ran at {first} "
+               f"({dates.get(first, when)}); "
+               + "; ".join(f"run again at {c} ({dates.get(c, when)}): {', '.join(names)}"
+                           for c, names in again.items()) + ".")
+    else:
+        ran = f"Commit {first}, {when}."
     lines = [f"<!-- draw: {draw} -->", f"## {DESCRIPTIONS[draw].format(shift=shift)}", "",
-             f"Commit {first}, {when}.{rerun} "
+             f"{ran} "
              + (f"Set-up (every model trained, nothing fetched) took {setup_seconds / 60:.0f}"
                 " min" if trained else "The models were kept in the draw's cache from an "
                 f"earlier set-up, and verified ({setup_seconds / 60:.0f} min)")
@@ -434,8 +441,10 @@ def run_draw(draw: str, shift: int, jobs: int, cache: Path | None, report: Path,
     (work / RUNS).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
     reports = [chapter_report(c, *results[c.stem]) for c in chapters]
     runs = {c.stem: record["chapters"][c.stem]["at"] for c in chapters}
+    dates = {record["chapters"][c.stem]["at"]: record["chapters"][c.stem]["date"]
+             for c in chapters}
     write_report(draw, section(draw, shift, reports, setup_seconds, when, at, runs,
-                               trained=not (again or only)), report)
+                               trained=not (again or only), dates=dates), report)
     failed = sum(len(r.failures) + (r.error is not None) for r in reports)
     print(f"redraw '{draw}': {failed} failed cell(s), "
           f"{sum(len(r.moved) for r in reports)} quoted number(s) moved; {report}", flush=True)
