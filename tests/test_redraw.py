@@ -180,3 +180,49 @@ def test_a_quoted_number_s_context_is_cut_between_words() -> None:
     assert tool.around(text, at, at + 5, before=12, after=10) == "rises by 0.415 while"
     assert tool.around(text, 0, 3, before=12, after=200) == text  # the whole text: as it is
     assert tool.around("abcx0.415yzw", 4, 9, before=2, after=1) == "0.415"  # no space near
+
+
+def test_report_only_writes_the_section_from_the_last_run_and_executes_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    _git(tmp_path, "init", "-q")
+    for folder in ("book", "docs"):
+        (tmp_path / folder).mkdir()
+    chapter = _chapter(tmp_path / "book" / "a.md", "The loss is 0.50 here.\n",
+                       _code("print(0.50)"))
+    stored = tmp_path / "tests" / "notebooks"
+    stored.mkdir(parents=True)
+    nbformat.write(_nb("0.50\n"), stored / "a.ipynb")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    sha = _git(tmp_path, "rev-parse", "HEAD")
+    work = tmp_path / "_build" / "redraw"
+    (work / "native").mkdir(parents=True)
+    nbformat.write(_nb("0.75\n"), work / "native" / "a.ipynb")  # what the draw printed
+    record = {"chapters": {"a": {"commit": sha, "at": sha[:12], "seconds": 60.0,
+                                 "date": "2026-11-29 10:00 UTC"}},
+              "shift": 1, "setup_seconds": 0.0, "trained": False,
+              "setup_note": "Set-up was made in two parts"}
+    (work / "native" / tool.RUNS).write_text(tool.json.dumps(record), encoding="utf-8")
+    for name, value in (("ROOT", tmp_path), ("WORK", work)):
+        monkeypatch.setattr(tool, name, value)
+    monkeypatch.setattr(tool.baseline, "STORED_DIR", stored)
+    monkeypatch.setattr(tool.baseline, "notebook_chapters", lambda: [chapter])
+    monkeypatch.setattr(tool, "set_up", lambda env: pytest.fail("set-up ran"))
+    monkeypatch.setattr(tool, "execute_all", lambda chapters, out, jobs: (
+        {} if not chapters else pytest.fail(f"executed {chapters}")))
+    report = tmp_path / "docs" / "redraw.md"
+    assert tool.main(["native", "--report-only", "--report", str(report)]) == 0
+    text = report.read_text(encoding="utf-8")
+    assert f"Commit {sha[:12]}, " in text and "Set-up was made in two parts" in text
+    assert '- 0.50 → **0.75** (cell 1): "…The loss is 0.50 here.…"' in text
+    with pytest.raises(SystemExit):
+        tool.main(["native", "--report-only", "--only", "a"])
+    assert "give one" in capsys.readouterr().err
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "m.py").write_text("x = 1", encoding="utf-8")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "two")
+    with pytest.raises(SystemExit):  # the package changed since the chapter ran
+        tool.main(["native", "--report-only"])
+    assert "--report-only: chapter a ran at" in capsys.readouterr().err

@@ -22,7 +22,8 @@ draw's kept cache) and keeps the others' executed notebooks from the draw's last
 refused unless nothing a kept chapter runs has changed since the commit it ran at (a file of
 the repository other than the other chapters' pages, the tests, the docs and this tool): the
 report still describes the book of one commit, and says which chapters were run again at
-which commit.
+which commit. ``--report-only`` executes nothing and writes the draw's section again from
+its last run (after a change to this tool), under the same check.
 
 The report, docs/redraw.md, has a section for each draw (the commit and the date it ran at;
 a new run of a draw replaces that draw's section, the other draw's stays), and in it, per
@@ -270,11 +271,14 @@ def commit() -> str:
 
 def section(draw: str, shift: int, reports: list[ChapterReport], setup_seconds: float,
             when: str, at: str, runs: dict[str, str] | None = None,
-            trained: bool = True, dates: dict[str, str] | None = None) -> str:
+            trained: bool = True, dates: dict[str, str] | None = None,
+            setup_note: str | None = None) -> str:
     """The draw's section of the report; ``runs`` gives the commit each chapter ran at, where
     some were run again (`--only`) after the others (default: all at ``at``), and ``dates``
     the date of each such commit's run (default: ``when``); ``trained``: whether set-up
-    trained the models (else it found them in the draw's cache, `--again`)."""
+    trained the models (else it found them in the draw's cache, `--again`); ``setup_note``:
+    what set-up was, in words, in place of what ``trained`` says (from the draw's record:
+    a set-up made in parts, or at another commit with the same models' code)."""
     failed = sum(len(r.failures) + (r.error is not None) for r in reports)
     moved = sum(len(r.moved) for r in reports)
     quoted = sum(r.quoted for r in reports)
@@ -296,7 +300,8 @@ def section(draw: str, shift: int, reports: list[ChapterReport], setup_seconds: 
         ran = f"Commit {first}, {when}."
     lines = [f"<!-- draw: {draw} -->", f"## {DESCRIPTIONS[draw].format(shift=shift)}", "",
              f"{ran} "
-             + (f"Set-up (every model trained, nothing fetched) took {setup_seconds / 60:.0f}"
+             + (setup_note if setup_note else
+                f"Set-up (every model trained, nothing fetched) took {setup_seconds / 60:.0f}"
                 " min" if trained else "The models were kept in the draw's cache from an "
                 f"earlier set-up, and verified ({setup_seconds / 60:.0f} min)")
              + "; the chapters, two at a time, "
@@ -399,15 +404,20 @@ def kept_runs(draw: str, only: list[str], shift: int) -> dict[str, Any]:
 
 
 def run_draw(draw: str, shift: int, jobs: int, cache: Path | None, report: Path,
-             again: bool = False, only: list[str] | None = None) -> int:
+             again: bool = False, only: list[str] | None = None,
+             report_only: bool = False) -> int:
+    """Make the draw (or, ``only``, run those chapters again; ``report_only``, none) and
+    write its section of the report: 1 if a cell failed, else 0."""
     work = WORK / draw
-    record = kept_runs(draw, only, shift) if only else {"chapters": {}}
-    if not only:
+    if report_only:
+        only = []
+    record = kept_runs(draw, only, shift) if only is not None else {"chapters": {}}
+    if only is None:
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
     if cache is None:
         cache = WORK / f"{draw}-cache"
-        if not (again or only):
+        if not again and only is None:
             shutil.rmtree(cache, ignore_errors=True)
     env = {**os.environ, "MINIGPT_CACHE": str(cache), "MINIGPT_MODELS_URL": "off",
            **DRAWS[draw](shift)}
@@ -415,16 +425,16 @@ def run_draw(draw: str, shift: int, jobs: int, cache: Path | None, report: Path,
     print(f"redraw '{draw}': {DESCRIPTIONS[draw].format(shift=shift)}; cache {cache}",
           flush=True)
     at, when = commit(), datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    setup_seconds = set_up(env)
-    if only:  # what set-up took when the draw trained every model
+    setup_seconds = 0.0 if report_only else set_up(env)
+    if only is not None:  # what set-up took when the draw trained every model
         setup_seconds = record["setup_seconds"]
     saved = dict(os.environ)
     os.environ.clear()
     os.environ.update(env)  # the kernels inherit the draw
     chapters = baseline.notebook_chapters()
     try:
-        results = execute_all([c for c in chapters if not only or c.stem in only], work,
-                              jobs)
+        results = execute_all([c for c in chapters if only is None or c.stem in only],
+                              work, jobs)
     finally:
         os.environ.clear()
         os.environ.update(saved)
@@ -437,14 +447,17 @@ def run_draw(draw: str, shift: int, jobs: int, cache: Path | None, report: Path,
             run = record["chapters"][c.stem]
             nb = nbformat.read(work / f"{c.stem}.ipynb", as_version=4)
             results[c.stem] = (nb, run["seconds"], None)
-    record |= {"draw": draw, "shift": shift, "setup_seconds": setup_seconds}
+    trained = record.get("trained", False) if only is not None else not again
+    record |= {"draw": draw, "shift": shift, "setup_seconds": setup_seconds,
+               "trained": trained}
     (work / RUNS).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
     reports = [chapter_report(c, *results[c.stem]) for c in chapters]
     runs = {c.stem: record["chapters"][c.stem]["at"] for c in chapters}
     dates = {record["chapters"][c.stem]["at"]: record["chapters"][c.stem]["date"]
              for c in chapters}
     write_report(draw, section(draw, shift, reports, setup_seconds, when, at, runs,
-                               trained=not (again or only), dates=dates), report)
+                               trained=trained, dates=dates,
+                               setup_note=record.get("setup_note")), report)
     failed = sum(len(r.failures) + (r.error is not None) for r in reports)
     print(f"redraw '{draw}': {failed} failed cell(s), "
           f"{sum(len(r.moved) for r in reports)} quoted number(s) moved; {report}", flush=True)
@@ -467,6 +480,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="execute only these chapters again, on the draw's cache, and keep "
                         "the others from the draw's last run (refused if anything they run "
                         "changed since)")
+    parser.add_argument("--report-only", action="store_true",
+                        help="execute nothing: write the draw's section of the report again "
+                        "from its last run (refused if anything a chapter runs changed since)")
     parser.add_argument("--report", type=Path, default=REPORT)
     args = parser.parse_args(argv)
     if args.shift < 1 or args.shift >= 2**32:
@@ -475,16 +491,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
     if args.cache is not None and len(args.draws) > 1:
         parser.error("--cache names one draw's cache: give one draw with it")
-    if args.only:
+    if args.only and args.report_only:
+        parser.error("--only runs chapters again, --report-only runs none: give one")
+    if args.only or args.report_only:
         for draw in dict.fromkeys(args.draws):  # before anything runs
             try:
-                kept_runs(draw, args.only, args.shift)
+                kept_runs(draw, args.only or [], args.shift)
             except ValueError as err:
-                parser.error(f"--only: {err}")
+                parser.error(f"--{'only' if args.only else 'report-only'}: {err}")
     status = 0
     for draw in dict.fromkeys(args.draws):
         status |= run_draw(draw, args.shift, args.jobs, args.cache, args.report, args.again,
-                           args.only)
+                           args.only, args.report_only)
     return status
 
 
