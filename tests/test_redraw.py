@@ -128,6 +128,9 @@ def test_only_what_a_kept_chapter_does_not_run_may_change_after_it_ran(
     _git(tmp_path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
     sha = _git(tmp_path, "rev-parse", "HEAD")
     monkeypatch.setattr(tool, "ROOT", tmp_path)
+    # the report is written by a draw while another draw runs: the commit stays clean
+    (tmp_path / "docs/redraw.md").write_text("changed", encoding="utf-8")
+    assert tool.head() == sha and tool.commit() == sha[:12]
     # the chapter run again, its stored notebook and the report: nothing a kept chapter runs
     for name in ("book/a.md", "tests/notebooks/a.ipynb", "docs/redraw.md"):
         (tmp_path / name).write_text("changed", encoding="utf-8")
@@ -136,6 +139,7 @@ def test_only_what_a_kept_chapter_does_not_run_may_change_after_it_ran(
     assert tool.changed_since(sha, ["book/b.md"]) == ["book/a.md"]
     (tmp_path / "src/m.py").write_text("x = 2", encoding="utf-8")
     assert tool.changed_since(sha, ["book/a.md"]) == ["src/m.py"]
+    assert tool.head() == "" and tool.commit().endswith("(with uncommitted changes)")
 
 
 def test_only_is_refused_without_an_earlier_run_or_with_another_shift(

@@ -262,9 +262,12 @@ def chapter_report(chapter: Path, nb: Any, seconds: float, error: str | None) ->
 
 
 def commit() -> str:
+    """HEAD's short hash, said to have uncommitted changes if a file a chapter runs has
+    (not one of `NOT_RUN`: this report, written by a draw while another runs, is not)."""
     head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT,
                           capture_output=True, text=True, check=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--",
+                            ".", *(f":(exclude){path}" for path in NOT_RUN)], cwd=ROOT,
                            capture_output=True, text=True, check=True).stdout.strip()
     return head + (" (with uncommitted changes)" if dirty else "")
 
