@@ -72,6 +72,20 @@ def test_a_quoted_number_moves_only_if_its_cell_prints_it_differently_at_its_pla
     assert [(m.number, m.redrawn, m.cell) for m in moved] == [("0.844", "0.739", 0)]
 
 
+def test_a_quoted_number_is_compared_where_its_paragraph_quotes_it_from() -> None:
+    # 0.50 printed by cells 0 and 2; the draw moves it in cell 2 only
+    stored = tool.code_cells(_nb("loss 0.50\n", "other 1.00\n", "seed loss 0.50\n"))
+    redrawn = tool.code_cells(_nb("loss 0.50\n", "other 1.00\n", "seed loss 0.61\n"))
+    after_cell_2 = [("0.50", "the seed's loss, 0.50", 3)]
+    after_cell_0 = [("0.50", "the loss, 0.50", 1)]
+    before_any = [("0.50", "a loss of 0.50, below", 0)]
+    assert [(m.redrawn, m.cell) for m in tool.compare(after_cell_2, stored, redrawn)[1]] \
+        == [("0.61", 2)]
+    assert tool.compare(after_cell_0, stored, redrawn) == (1, [])
+    assert tool.compare(before_any, stored, redrawn) == (1, [])  # the first cell after it
+    assert tool.nearest([0, 2, 5], 4) == 2 and tool.nearest([5, 7], 4) == 5
+
+
 def test_a_cell_that_printed_less_under_the_draw_moves_its_numbers_to_nothing() -> None:
     printed, moved = tool.compare([("2.50", "x")], tool.code_cells(_nb("a 1.00 b 2.50\n")),
                                   tool.code_cells(_nb("a 1.00\n")))
@@ -82,7 +96,8 @@ def test_the_prose_numbers_are_the_decimals_of_its_text_not_of_its_code(
         tmp_path: Path) -> None:
     chapter = _chapter(tmp_path / "prose.md", "The loss falls from 4.17 to 1.88 in 2000 steps, "
                        "−0.11 of it late.\n", _code("print(3.14)"))
-    assert [n for n, _ in tool.prose_numbers(chapter)] == ["4.17", "1.88", "-0.11"]
+    assert [(n, at) for n, _, at in tool.prose_numbers(chapter)] == [
+        ("4.17", 0), ("1.88", 0), ("-0.11", 0)]
 
 
 def test_a_draw_replaces_its_own_section_of_the_report_and_keeps_the_others(

@@ -133,16 +133,20 @@ class ChapterReport:
     error: str | None = None  # the chapter could not be executed at all
 
 
-def prose_numbers(chapter: Path) -> list[tuple[str, str]]:
-    """Each decimal the chapter's prose quotes (markdown cells, not code), with its context."""
+def prose_numbers(chapter: Path) -> list[tuple[str, str, int]]:
+    """Each decimal the chapter's prose quotes (markdown cells, not code), with its context
+    and the number of code cells before its paragraph."""
     nb = execute_chapters.read_chapter(chapter, execute_chapters.book_settings()["extensions"])
     found = []
+    before = 0
     for cell in nb.cells:
+        if cell.cell_type == "code":
+            before += 1
         if cell.cell_type != "markdown":
             continue
         text = " ".join(cell.source.split())
         for m in NUMBER.finditer(text):
-            found.append((canonical(m.group()), around(text, m.start(), m.end())))
+            found.append((canonical(m.group()), around(text, m.start(), m.end()), before))
     return found
 
 
@@ -163,21 +167,32 @@ def code_cells(nb: Any) -> list[Any]:
     return [c for c in nb.cells if c.cell_type == "code"]
 
 
-def compare(quoted: list[tuple[str, str]], stored: list[Any],
+def nearest(cells: list[int], before: int) -> int:
+    """Of the code cells that printed a quoted number, the one its paragraph quotes: the
+    nearest before the paragraph (``before`` code cells precede it), else the nearest after."""
+    earlier = [i for i in cells if i < before]
+    return max(earlier) if earlier else min(cells)
+
+
+def compare(quoted: list[tuple[str, str, int]] | list[tuple[str, str]], stored: list[Any],
             redrawn: list[Any]) -> tuple[int, list[Moved]]:
     """(how many quoted numbers a stored cell printed, those of them that moved): a quoted
-    number holds if any place that printed it in the stored notebook prints it again, the
-    same place (cell, and the number's rank among the cell's printed numbers) under the
-    draw."""
+    number holds if a place that printed it in the stored notebook prints it again, the same
+    place (cell, and the number's rank among the cell's printed numbers) under the draw. The
+    places are those of the cell the paragraph quotes (`nearest`), where the quote says where
+    its paragraph is (a third item: the code cells before it); else any cell's."""
     stored_numbers = [numbers(output_text(c)) for c in stored]
     redrawn_numbers = [numbers(output_text(c)) for c in redrawn]
     printed = 0
     moved = []
-    for number, context in quoted:
+    for number, context, *where in quoted:
         places = [(i, j) for i, nums in enumerate(stored_numbers)
                   for j, n in enumerate(nums) if n == number]
         if not places:
             continue
+        if where:
+            cell = nearest(sorted({i for i, _ in places}), where[0])
+            places = [(i, j) for i, j in places if i == cell]
         printed += 1
         again = [redrawn_numbers[i][j] if i < len(redrawn_numbers)
                  and j < len(redrawn_numbers[i]) else None for i, j in places]
