@@ -84,6 +84,11 @@ def test_a_quoted_number_is_compared_where_its_paragraph_quotes_it_from() -> Non
     assert tool.compare(after_cell_0, stored, redrawn) == (1, [])
     assert tool.compare(before_any, stored, redrawn) == (1, [])  # the first cell after it
     assert tool.nearest([0, 2, 5], 4) == 2 and tool.nearest([5, 7], 4) == 5
+    # quoted with 0.90, which cell 0 alone printed: the table row of cell 0 is the quote
+    stored = tool.code_cells(_nb("a 0.90 b 0.50\n", "c 0.50\n"))
+    redrawn = tool.code_cells(_nb("a 0.91 b 0.50\n", "c 0.52\n"))
+    row = [("0.90", "0.90 and 0.50", 2), ("0.50", "0.90 and 0.50", 2)]
+    assert [(m.number, m.cell) for m in tool.compare(row, stored, redrawn)[1]] == [("0.90", 0)]
 
 
 def test_a_cell_that_printed_less_under_the_draw_moves_its_numbers_to_nothing() -> None:

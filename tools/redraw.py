@@ -168,10 +168,19 @@ def code_cells(nb: Any) -> list[Any]:
 
 
 def nearest(cells: list[int], before: int) -> int:
-    """Of the code cells that printed a quoted number, the one its paragraph quotes: the
-    nearest before the paragraph (``before`` code cells precede it), else the nearest after."""
+    """Of the code cells that printed a quoted number, the nearest to its paragraph: the
+    nearest before it (``before`` code cells precede it), else the nearest after."""
     earlier = [i for i in cells if i < before]
     return max(earlier) if earlier else min(cells)
+
+
+def quoted_cell(cells: list[int], before: int, others: set[str],
+                printed: list[set[str]]) -> int:
+    """Of the code cells that printed a quoted number, the one its paragraph quotes it from:
+    the one that printed most of the other numbers the same prose quotes (``others``; a
+    table's row is quoted together), then the `nearest`."""
+    most = max(len(others & printed[i]) for i in cells)
+    return nearest([i for i in cells if len(others & printed[i]) == most], before)
 
 
 def compare(quoted: list[tuple[str, str, int]] | list[tuple[str, str]], stored: list[Any],
@@ -179,10 +188,16 @@ def compare(quoted: list[tuple[str, str, int]] | list[tuple[str, str]], stored: 
     """(how many quoted numbers a stored cell printed, those of them that moved): a quoted
     number holds if a place that printed it in the stored notebook prints it again, the same
     place (cell, and the number's rank among the cell's printed numbers) under the draw. The
-    places are those of the cell the paragraph quotes (`nearest`), where the quote says where
-    its paragraph is (a third item: the code cells before it); else any cell's."""
+    places are those of the cell the prose quotes it from (`quoted_cell`), where the quote
+    says where its prose is (a third item: the code cells before it, the same for the
+    numbers of one stretch of prose); else any cell's."""
     stored_numbers = [numbers(output_text(c)) for c in stored]
     redrawn_numbers = [numbers(output_text(c)) for c in redrawn]
+    printed_sets = [set(nums) for nums in stored_numbers]
+    stretch: dict[int, set[str]] = {}  # the numbers quoted by each stretch of prose
+    for number, _, *where in quoted:
+        if where:
+            stretch.setdefault(where[0], set()).add(number)
     printed = 0
     moved = []
     for number, context, *where in quoted:
@@ -191,7 +206,8 @@ def compare(quoted: list[tuple[str, str, int]] | list[tuple[str, str]], stored: 
         if not places:
             continue
         if where:
-            cell = nearest(sorted({i for i, _ in places}), where[0])
+            cell = quoted_cell(sorted({i for i, _ in places}), where[0],
+                               stretch[where[0]] - {number}, printed_sets)
             places = [(i, j) for i, j in places if i == cell]
         printed += 1
         again = [redrawn_numbers[i][j] if i < len(redrawn_numbers)
