@@ -59,8 +59,9 @@ def test_a_chapter_runs_to_its_end_past_a_failing_assert_which_the_report_names(
 
 
 def test_a_quoted_number_moves_only_if_its_cell_prints_it_differently_at_its_place() -> None:
-    quoted = [("0.844", "spread from 0.844"), ("0.950", "to 0.950"), ("1.5", "ratio 1.5"),
-              ("12345.6", "tokens 12,345.6"), ("0.25", "a number no cell printed")]
+    quoted = [("0.844", "spread from 0.844", 3), ("0.950", "to 0.950", 3),
+              ("1.5", "ratio 1.5", 3), ("12345.6", "tokens 12,345.6", 3),
+              ("0.25", "a number no cell printed", 3)]  # prose after the three cells
     stored = tool.code_cells(_nb("seeds 0.844 0.950\n", "ratio 1.5 then 1.5\n",
                                  "tokens 12,345.6\n"))
     redrawn = tool.code_cells(_nb("seeds 0.739 0.950\n", "ratio 1.4 then 1.5\n",
@@ -92,7 +93,7 @@ def test_a_quoted_number_is_compared_where_its_paragraph_quotes_it_from() -> Non
 
 
 def test_a_cell_that_printed_less_under_the_draw_moves_its_numbers_to_nothing() -> None:
-    printed, moved = tool.compare([("2.50", "x")], tool.code_cells(_nb("a 1.00 b 2.50\n")),
+    printed, moved = tool.compare([("2.50", "x", 1)], tool.code_cells(_nb("a 1.00 b 2.50\n")),
                                   tool.code_cells(_nb("a 1.00\n")))
     assert printed == 1 and [(m.number, m.redrawn) for m in moved] == [("2.50", None)]
 

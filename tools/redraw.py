@@ -183,32 +183,30 @@ def quoted_cell(cells: list[int], before: int, others: set[str],
     return nearest([i for i in cells if len(others & printed[i]) == most], before)
 
 
-def compare(quoted: list[tuple[str, str, int]] | list[tuple[str, str]], stored: list[Any],
+def compare(quoted: list[tuple[str, str, int]], stored: list[Any],
             redrawn: list[Any]) -> tuple[int, list[Moved]]:
     """(how many quoted numbers a stored cell printed, those of them that moved): a quoted
     number holds if a place that printed it in the stored notebook prints it again, the same
     place (cell, and the number's rank among the cell's printed numbers) under the draw. The
-    places are those of the cell the prose quotes it from (`quoted_cell`), where the quote
-    says where its prose is (a third item: the code cells before it, the same for the
-    numbers of one stretch of prose); else any cell's."""
+    places are those of the cell the prose quotes it from (`quoted_cell`): ``quoted`` gives
+    each number, its context and the code cells before its prose (`prose_numbers`; the same
+    for the numbers of one stretch of prose)."""
     stored_numbers = [numbers(output_text(c)) for c in stored]
     redrawn_numbers = [numbers(output_text(c)) for c in redrawn]
     printed_sets = [set(nums) for nums in stored_numbers]
     stretch: dict[int, set[str]] = {}  # the numbers quoted by each stretch of prose
-    for number, _, *where in quoted:
-        if where:
-            stretch.setdefault(where[0], set()).add(number)
+    for number, _, before in quoted:
+        stretch.setdefault(before, set()).add(number)
     printed = 0
     moved = []
-    for number, context, *where in quoted:
+    for number, context, before in quoted:
         places = [(i, j) for i, nums in enumerate(stored_numbers)
                   for j, n in enumerate(nums) if n == number]
         if not places:
             continue
-        if where:
-            cell = quoted_cell(sorted({i for i, _ in places}), where[0],
-                               stretch[where[0]] - {number}, printed_sets)
-            places = [(i, j) for i, j in places if i == cell]
+        cell = quoted_cell(sorted({i for i, _ in places}), before, stretch[before] - {number},
+                           printed_sets)
+        places = [(i, j) for i, j in places if i == cell]
         printed += 1
         again = [redrawn_numbers[i][j] if i < len(redrawn_numbers)
                  and j < len(redrawn_numbers[i]) else None for i, j in places]
