@@ -5,6 +5,11 @@ the command line sits above them all; imports inside functions count too."""
 from __future__ import annotations
 
 import ast
+import re
+import subprocess
+import sys
+import tomllib
+from importlib.metadata import packages_distributions
 from pathlib import Path
 
 import pytest
@@ -79,3 +84,41 @@ def test_the_package_finds_the_repository_it_lies_in() -> None:
     from minigpt.recipes import published
 
     assert published.INDEX.is_file() and published.CONFIG.is_file()
+
+
+def distributions(path: Path, *, loaded_only: bool = False) -> set[str]:
+    """The registry packages a module imports (all its imports, or with ``loaded_only`` those
+    that run when it is loaded, not inside a function), by their normalised names."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    nodes = tree.body if loaded_only else ast.walk(tree)
+    tops = {alias.name for node in nodes if isinstance(node, ast.Import) for alias in node.names}
+    tops |= {node.module for node in nodes if isinstance(node, ast.ImportFrom) and node.module
+             and node.level == 0}
+    found = packages_distributions()
+    return {normalised(dist) for top in tops for dist in found.get(top.split(".")[0], [])
+            if top.split(".")[0] not in sys.stdlib_module_names | {"minigpt"}}
+
+
+def normalised(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def test_every_package_the_code_imports_is_declared() -> None:
+    """requirements.txt pins every package a module imports; pyproject.toml declares each
+    that `python -m minigpt` imports as it starts (its console script's)."""
+    root = PACKAGE.parent.parent
+    pinned = {normalised(line.split("==")[0]) for line in (root / "requirements.txt").read_text(
+        encoding="utf-8").splitlines() if "==" in line and not line.startswith("#")}
+    for name, path in modules():
+        assert distributions(path) <= pinned, (name, distributions(path) - pinned)
+    with (root / "pyproject.toml").open("rb") as file:
+        declared = {normalised(re.split(r"[<>=!~ ;\[]", d)[0]) for d in tomllib.load(file)[
+            "project"]["dependencies"]}
+    started = subprocess.run([sys.executable, "-c", "import sys, minigpt.cli; print(*sorted("
+                              "m for m in sys.modules if m.split('.')[0] == 'minigpt'))"],
+                             capture_output=True, text=True, check=True).stdout.split()
+    paths = dict(modules())
+    for name in started:
+        found = distributions(paths[name.partition(".")[2] or "__init__"],
+                              loaded_only=True) - {"minigpt"}
+        assert found <= declared, (name, found - declared)
