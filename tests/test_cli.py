@@ -7,6 +7,7 @@ set, a device this machine lacks, a backend the resumed run's device cannot use)
 
 from __future__ import annotations
 
+import inspect
 import io
 import json
 import re
@@ -104,7 +105,7 @@ def _handed_to_train(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> dict[s
 def test_every_flag_reaches_its_setting(tmp_path: Path, text_file: Path,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Each field of GPTConfig (but V, which the text sets) and of TrainConfig has its flag,
-    and a value given, other than both recipes' defaults, is the field's value."""
+    and a value given, other than the recipe's default, is the field's value."""
     model = {"context_length": 8, "d_model": 24, "n_heads": 2, "n_layers": 1, "d_ff": 40,
              "dropout": 0.1, "bias": False, "tie_weights": False, "positional": "rope",
              "layer_norm_eps": 1e-6, "activation": "swiglu", "norm": "rmsnorm",
@@ -118,6 +119,8 @@ def test_every_flag_reaches_its_setting(tmp_path: Path, text_file: Path,
            "schedule": "trapezoid", "cooldown_fraction": 0.5}
     assert set(model) == set(GPTConfig.model_fields) - {"vocab_size"}
     assert set(run) == set(TrainConfig.model_fields)
+    defaults = GPTConfig.shakespeare_cpu(65).model_dump() | TrainConfig().model_dump()
+    assert all(v != defaults[k] for k, v in (model | run).items())  # else no flag could fail
     argv = []
     for name, v in (model | run).items():
         flag = "--" + name.replace("_", "-")
@@ -274,8 +277,9 @@ def _fails(argv: list[str], capsys: pytest.CaptureFixture[str], code: int, *need
 @pytest.mark.parametrize(
     ("extra", "code", "needles"),
     [
-        (["--text", "/no/such/file.txt"], 1, ["/no/such/file.txt: no such file"]),
-        (["--text", "/dev/null"], 1, ["/dev/null is not a regular file"]),
+        (["--text", "/no/such/file.txt"], 2, ["argument --text: /no/such/file.txt: no such "
+                                               "file"]),
+        (["--text", "/dev/null"], 2, ["argument --text: /dev/null is not a regular file"]),
         (["--lr", "-1"], 2, ["argument --lr: Input should be greater than 0, got '-1'"]),
         (["--lr", "fast"], 2, ["argument --lr: Input should be a valid number, unable to parse "
                                  "string as a number, got 'fast'"]),
@@ -283,13 +287,13 @@ def _fails(argv: list[str], capsys: pytest.CaptureFixture[str], code: int, *need
         (["--rope-base", "1"], 2, ["argument --rope-base: Input should be greater than 1"]),
         (["--batch-size", "1.5"], 2, ["argument --batch-size: Input should be a valid integer"]),
         (["--max-step", "3"], 2, ["unrecognized arguments: --max-step"]),
-        (["--n-heads", "3"], 2, ["d_model (=16) must be divisible by n_heads (=3)"]),
+        (["--n-heads", "3"], 2, ["--d-model (=16) must be divisible by --n-heads (=3)"]),
         (["--dropout", "1.5"], 2, ["--dropout", "less than 1"]),
         (["--tokenizer", "words"], 2, ["invalid choice: 'words'"]),
         (["--bpe-vocab-size", "300"], 2, ["--bpe-vocab-size applies only with --tokenizer bpe"]),
-        (["--max-steps", "1"], 2, ["warmup_steps (=2) must not exceed decay_steps (=1",
-                                    "raise max_steps"]),
-        (["--min-lr", "1"], 2, ["min_lr (=1.0) must not exceed lr (=0.001)"]),
+        (["--max-steps", "1"], 2, ["--warmup-steps (=2) must not exceed --decay-steps (=1",
+                                    "raise --max-steps"]),
+        (["--min-lr", "1"], 2, ["--min-lr (=1.0) must not exceed --lr (=0.001)"]),
         (["--device", "tpu9"], 2, ["argument --device: 'tpu9' is not a torch device"]),
         (["--device", "meta"], 2, ["--device: 'meta': models run on cpu, cuda or cuda:N"]),
         (["--context-length", "5000"], 1, ["needs more than context_length=5000"]),
@@ -319,19 +323,22 @@ def test_train_error_paths_on_files(tmp_path: Path, text_file: Path,
     _fails(["train", "--text", str(text_file)], capsys, 2, "required: --out")
     (tmp_path / "file").write_text("x")
     _fails(["train", "--text", str(text_file), "--out", str(tmp_path / "file"), *TINY], capsys,
-           1, "exists and is not a directory")
+           2, "argument --out: ", "file exists and is not a directory")
     (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
     _fails(["train", "--text", str(tmp_path / "latin1.txt"), "--out", str(tmp_path / "o"),
             *TINY], capsys, 1, "is not UTF-8 text")
     (tmp_path / "empty.txt").write_text("")
     _fails(["train", "--text", str(tmp_path / "empty.txt"), "--out", str(tmp_path / "o"),
             *TINY], capsys, 1, "empty.txt is empty")
-    _fails(["train", "--out", str(tmp_path / "none"), "--resume"], capsys, 1, "no checkpoint at")
+    _fails(["train", "--out", str(tmp_path / "none"), "--resume"], capsys, 2,
+           "--resume continues the run saved in --out: no checkpoint at")
 
 
 def test_resume_refuses_new_settings(trained: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    _fails(["train", "--out", str(trained), "--resume", "--lr", "0.1"], capsys, 1,
-           "drop --lr (only --max-steps and --device may change)")
+    _fails(["train", "--out", str(trained), "--resume", "--lr", "0.1", "--no-bias"], capsys, 2,
+           "drop --no-bias, --lr (only --max-steps and --device may change)")
+    _fails(["train", "--out", str(trained), "--resume", "--tokenizer", "char"], capsys, 2,
+           "drop --tokenizer")  # a new run's flag, even at its default
     # What it may change is checked by the run's TrainConfig, under its flag.
     _fails(["train", "--out", str(trained), "--resume", "--max-steps", "-1"], capsys, 2,
            "minigpt train: error: argument --max-steps: Input should be greater than or equal "
@@ -342,8 +349,8 @@ def test_resume_refuses_new_settings(trained: Path, capsys: pytest.CaptureFixtur
     (True, ["--backend", "nccl"], None),  # the checkpoint's device is cuda: nccl fits it
     (True, [], None),  # and is the default there
     (True, ["--backend", "gloo"], None),
-    (True, ["--device", "cpu", "--backend", "nccl"],
-     "the nccl backend needs CUDA GPUs, and this run is on the cpu"),
+    (True, ["--device", "cpu", "--backend", "nccl"],  # flags that do not go together
+     "minigpt train: error: the nccl backend needs CUDA GPUs, and this run is on the cpu"),
     (True, ["--device", "cpu"], None),  # gloo, the CPU's default
     (False, ["--backend", "nccl"], "was trained on 'cuda', which this machine lacks; continue "
                                    "it here with device cpu (--device cpu)"),
@@ -372,7 +379,7 @@ def test_resume_checks_the_backend_against_the_checkpoints_device(
         assert main(argv) == 0
         assert started == [["train", "--out", str(tmp_path), "--resume", *flags]]
     else:
-        _fails(argv, capsys, 1, needle)
+        _fails(argv, capsys, 2 if "--device" in flags else 1, needle)
         assert started == []
 
 
@@ -394,17 +401,18 @@ def test_resume_checks_the_backend_against_the_checkpoints_device(
          ["--beams searches", "does not sample; drop --temperature, --top-k"]),
         (["--beams", "2", "--num-samples", "2"], 2, ["drop --num-samples"]),
         (["--speculate", "3"], 2, ["--speculate needs --draft"]),
-        (["--draft", "x", "--beams", "2"], 2, ["argument --beams: not allowed with argument "
-                                               "--draft"]),
-        (["--draft", "x", "--no-cache"], 2, ["drop --no-cache"]),
+        (["--draft", "{trained}", "--beams", "2"], 2, ["argument --beams: not allowed with "
+                                                       "argument --draft"]),
+        (["--draft", "{trained}", "--no-cache"], 2, ["drop --no-cache"]),
+        (["--draft", "x"], 2, ["argument --draft: no checkpoint at x"]),
         (["--seed", "x"], 2, ["argument --seed: Input should be a valid integer, unable to "
                                "parse string as an integer, got 'x'"]),
     ],
 )
 def test_sample_errors(trained: Path, capsys: pytest.CaptureFixture[str], extra: list[str],
                        code: int, needles: list[str]) -> None:
-    _fails(["sample", "--checkpoint", str(trained), "--prompt", "a", *extra], capsys, code,
-           *needles)
+    _fails(["sample", "--checkpoint", str(trained), "--prompt", "a",
+            *(a.format(trained=trained) for a in extra)], capsys, code, *needles)
 
 
 def test_sample_with_a_draft(trained: Path, tmp_path: Path, text_file: Path,
@@ -431,13 +439,14 @@ def test_sample_with_a_draft(trained: Path, tmp_path: Path, text_file: Path,
                  *TINY]) == 0
     _fails([*base, "--draft", str(other)], capsys, 1, "trained with another tokenizer",
            "the draft must share the target's tokenizer")
-    _fails([*base, "--draft", str(tmp_path / "none")], capsys, 1, "no checkpoint at")
+    _fails([*base, "--draft", str(tmp_path / "none")], capsys, 2,
+           "argument --draft: no checkpoint at")
 
 
 def test_sample_checkpoint_errors(tmp_path: Path, trained: Path,
                                   capsys: pytest.CaptureFixture[str]) -> None:
-    _fails(["sample", "--checkpoint", str(tmp_path / "missing"), "--prompt", "a"], capsys, 1,
-           "no checkpoint at")
+    _fails(["sample", "--checkpoint", str(tmp_path / "missing"), "--prompt", "a"], capsys, 2,
+           "argument --checkpoint: no checkpoint at")
     (tmp_path / "checkpoint.pt").write_bytes(b"garbage, not a checkpoint")
     _fails(["sample", "--checkpoint", str(tmp_path), "--prompt", "a"], capsys, 1,
            "is not a readable checkpoint")
@@ -532,7 +541,7 @@ def test_a_short_run_needs_no_warmup_flag(tmp_path: Path, text_file: Path,
     config = _handed_to_train(["--text", str(text_file), "--out", str(tmp_path),
                                "--max-steps", "2"], monkeypatch)["config"]
     assert (config["max_steps"], config["warmup_steps"], config["decay_steps"]) == (2, 2, 2)
-    assert TrainConfig().warmup_steps == 100 and TrainConfig(max_steps=300).warmup_steps == 100
+    assert TrainConfig.model_fields["warmup_steps"].default > 2  # the default was cut
 
 
 def _usage_and_help(command: str, capsys: pytest.CaptureFixture[str],
@@ -578,15 +587,73 @@ def test_the_help_shows_the_package_models_defaults(
             option, helps[option])
 
 
-def test_a_usage_error_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("command", ["train", "sample"])
+def test_each_settings_field_has_one_flag_whose_help_is_its_docstring(
+        command: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Every field of the settings a command makes (but V, which the text sets) has one flag,
+    named for it, whose help is the field's whole text in its class's docstring (its
+    Attributes section), then the default the help shows, if any."""
+    from minigpt.sample import SampleSettings
+
+    monkeypatch.setenv("COLUMNS", "1000")  # no word broken at a hyphen (multi-|query)
+    usage, helps = _usage_and_help(command, capsys)
+    models = (GPTConfig, TrainConfig) if command == "train" else (SampleSettings,)
+    for model in models:
+        doc = " ".join(inspect.cleandoc(model.__doc__ or "").replace("`", "").split())
+        entry = "|".join(model.model_fields)  # where a field's text starts: "name: "
+        for name in set(model.model_fields) - {"vocab_size"}:
+            flag = "--" + name.replace("_", "-")
+            assert len(re.findall(rf"(?<![\w-]){flag}(?![\w-])", usage)) == 1, flag
+            text = re.sub(r" \(default: [^)]*\)$", "", helps[flag])
+            assert re.search(rf"(?<![\w-]){name}(, \w+)*: {re.escape(text)}( ({entry})[:,]|$)",
+                             doc), (flag, text)
+
+
+def test_a_refusal_from_a_checkpoint_is_not_a_usage_error(
+        trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Settings a file holds, refused: exit status 1, the field named as the file names it.
+    shutil.copytree(trained, tmp_path, dirs_exist_ok=True)
+    ckpt = load_checkpoint(tmp_path)
+    ckpt["train_config"]["lr"] = -1.0
+    save_checkpoint(tmp_path / "checkpoint.pt", ckpt)
+    _fails(["train", "--out", str(tmp_path), "--resume", "--no-progress"], capsys, 1,
+           "minigpt train: error: lr: Input should be greater than 0, got -1.0")
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["rl", "--json", "{tmp}"], "argument --json: {tmp} is a directory"),
+    (["rl", "--json", "{tmp}/no/rows.jsonl"], "argument --json: {tmp}/no: no such directory"),
+    (["rl", "--out", "{file}"], "argument --out: {file} exists and is not a directory"),
+    (["sft", "--out", "{file}"], "argument --out: {file} exists and is not a directory"),
+    (["eval", "--text", "{tmp}"], "argument --text: {tmp} is not a regular file"),
+    (["assets", "--cache", "{file}", "--check"], "argument --cache: {file} exists and is not "
+                                                 "a directory"),
+])
+def test_a_path_that_cannot_serve_is_a_usage_error(
+        argv: list[str], message: str, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused as argparse reads it, before anything loads or runs (a run's numbers would
+    otherwise be lost at its end)."""
+    (tmp_path / "file").write_text("x")
+    names = {"tmp": tmp_path, "file": tmp_path / "file"}
+    start = ["--checkpoint", str(tmp_path / "none")] * (argv[0] != "assets")  # read after
+    _fails([*(a.format(**names) for a in argv), *start], capsys, 2, message.format(**names))
+
+
+def test_a_usage_error_is_one_line(trained: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # argparse's own errors too: no usage block before the line that says what is wrong.
     assert main(["train", "--out", "x", "--lr", "fast"]) == 2
     assert capsys.readouterr().err == (
         "minigpt train: error: argument --lr: Input should be a valid number, unable to parse "
         "string as a number, got 'fast'\n")
-    assert main(["sample", "--checkpoint", "x", "--top-p", "0"]) == 2
+    assert main(["sample", "--checkpoint", str(trained), "--top-p", "0"]) == 2
     assert capsys.readouterr().err == ("minigpt sample: error: argument --top-p: Input should "
                                        "be greater than 0, got '0'\n")
+    # What the settings refuse of flags valid one by one: their words, under the flags' names.
+    assert main(["train", "--out", "x", "--min-lr", "0.1", "--lr", "0.01"]) == 2
+    assert capsys.readouterr().err == (
+        "minigpt train: error: --min-lr (=0.1) must not exceed --lr (=0.01)\n")
 
 
 def test_the_cached_models_are_named_in_one_help(
@@ -743,7 +810,7 @@ def test_eval_scores_the_tasks_the_assistants_hold_out(
     (["sft", "--checkpoint", "{base}", "--out", "{tmp}", "--text", "{empty}",
       "--context-length", "64"], 1,
      "only 0 first_word tasks can be made from 0 lines"),
-    (["eval", "--checkpoint", "{tmp}"], 1, "no checkpoint at"),
+    (["eval", "--checkpoint", "{tmp}"], 2, "argument --checkpoint: no checkpoint at"),
     (["sft", "--checkpoint", "{base}", "--out", "{tmp}", "--n-train", "0"], 2,
      "argument --n-train: Input should be greater than or equal to 1, got '0'"),
     (["sft", "--checkpoint", "{base}", "--out", "{tmp}", "--steps", "0"], 2,
@@ -915,21 +982,20 @@ def test_rl_errors(argv: list[str], code: int, message: str, runs: dict[str, Pat
     ("meta", "'meta': models run on cpu, cuda or cuda:N (or mps)"),
 ])
 def test_every_model_command_checks_its_device(
-        command: str, device: str, message: str, tmp_path: Path,
+        command: str, device: str, message: str, runs: dict[str, Path], tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     out = ["--out", str(tmp_path)] * (command in ("sft", "dpo"))
-    _fails([command, "--checkpoint", str(tmp_path), *out, "--device", device], capsys, 2,
+    _fails([command, "--checkpoint", str(runs["sft"]), *out, "--device", device], capsys, 2,
            f"minigpt {command}: error: argument --device: {message}")
     assert not (tmp_path / "checkpoint.pt").exists()
 
 
 def test_a_gpu_index_the_machine_lacks_is_refused(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture[str]) -> None:
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    _fails(["chat", "--checkpoint", str(tmp_path), "--device", "cuda:2"], capsys, 2,
+    _fails(["chat", "--model", "sft-0", "--device", "cuda:2"], capsys, 2,
            "--device: 'cuda:2': this machine has 2 GPU(s), cuda:0 to cuda:1")
 
 

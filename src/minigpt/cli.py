@@ -5,13 +5,16 @@ pretrained). `train --nproc-per-node N` starts N processes with torchrun; under 
 train, sft and dpo train data-parallel and rank 0 alone writes.
 
 Each command is a section below: its flags, then the function that runs it, which makes the
-package's settings from the flags, each passed by name.
+package's settings from the flags. A settings field has one flag, made from the field
+(`add_fields`: its name, its rules, its text in the settings' docstring as its help).
 
-Errors: every value is checked as argparse reads it, by its flag's type, and a bad one is
-refused under the flag, saying what the flag takes and what it was given. What the settings
-refuse of flags valid one by one (heads that do not divide the width) is said in the
-settings' own words. A usage error is one line on stderr and exit status 2; any other
-failure is one line and 1; Ctrl-C is 130.
+Errors: every value is checked as argparse reads it, by its flag's type (a path too: a file
+to read exists, a folder to write in is not a file), and a bad one is refused under the
+flag, saying what the flag takes and what it was given. Flags valid one by one that do not
+go together, or that the settings refuse together (heads that do not divide the width: said
+in the settings' words, each field named by its flag), are usage errors too. A usage error
+is one line on stderr and exit status 2; any other failure (a file's contents, the machine)
+is one line and 1; Ctrl-C is 130.
 """
 
 from __future__ import annotations
@@ -22,15 +25,15 @@ import inspect
 import json
 import os
 import random
+import re
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import replace
-from functools import partial
 from pathlib import Path
-from typing import Annotated, Any, NoReturn, get_args
+from typing import Annotated, Any, Literal, NoReturn, TypeVar, get_args, get_origin
 
 import torch
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError
@@ -39,7 +42,7 @@ from tqdm import tqdm
 from minigpt import assets, data, parallel
 from minigpt.bpe import DEFAULT_BPE_VOCAB_SIZE, get_tokenizer
 from minigpt.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
-from minigpt.config import GPTConfig, TrainConfig, check_device
+from minigpt.config import Device, GPTConfig, TrainConfig
 from minigpt.files import atomic_write
 from minigpt.model import GPT
 from minigpt.posttrain import evals
@@ -56,6 +59,8 @@ from minigpt.sample import SampleSettings, load_model, sample_texts
 from minigpt.tokenizer import CHAT_TOKENS, KINDS, Tokenizer
 from minigpt.train import METRICS_NAME, saved_settings, train, with_global_batch, write_metrics
 
+T = TypeVar("T")
+
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m minigpt COMMAND ...`: returns the exit status."""
@@ -66,12 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.run(args, argv[1:]))
     except SystemExit as exit_:  # --help, or a usage error that `Parser.error` has said
         return exit_.code if isinstance(exit_.code, int) else 2
-    except ValidationError as err:  # settings refusing flags that are each valid: usage
-        print(heading(f"minigpt {argv[0]}"), "; ".join(str(e.get("ctx", {}).get(
-            "error", e["msg"])) for e in err.errors()), file=sys.stderr)
-        return 2
     except (OSError, ValueError, parallel.DistributedError, assets.AssetError) as err:
-        print(heading(f"minigpt {argv[0]}"), err, file=sys.stderr)
+        # A ValidationError here is of settings read from a file (a checkpoint's), not flags.
+        print(heading(f"minigpt {argv[0]}"), said(err) if isinstance(err, ValidationError)
+              else err, file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         resume = f"; resume from the last checkpoint with --out {args.out} --resume" if (
@@ -125,13 +128,12 @@ def command(commands: argparse._SubParsersAction[Parser], name: str,
 def value(kind: Any, *rules: Any) -> Callable[[str], Any]:
     """An argparse type: the text as a ``kind`` that pydantic's ``rules`` allow, else an
     error saying what the flag takes and what it was given (``Input should be greater than
-    0, got '-1'``)."""
+    0, got '-1'``), or a validator's own words (``'tpu9' is not a torch device; ...``)."""
     def read(text: str) -> Any:
         try:
-            return TypeAdapter(Annotated[(kind, *rules)]).validate_python(text)
+            return TypeAdapter(Annotated[(kind, *rules)] if rules else kind).validate_python(text)
         except ValidationError as err:
-            raise argparse.ArgumentTypeError(f"{err.errors()[0]['msg']}, got {text!r}"
-                                             ) from None
+            raise argparse.ArgumentTypeError(in_words(err.errors()[0])) from None
     return read
 
 
@@ -139,6 +141,7 @@ count = value(int, Field(ge=1))  # 1, 2, ...
 natural = value(int, Field(ge=0))  # 0, 1, ...
 positive = value(float, Field(gt=0, allow_inf_nan=False))
 port = value(int, Field(ge=1, le=65535))
+device = value(Device)  # a device a model can run on here (`minigpt.config.check_device`)
 
 
 def field(model: type[BaseModel], name: str) -> Callable[[str], Any]:
@@ -150,17 +153,70 @@ def field(model: type[BaseModel], name: str) -> Callable[[str], Any]:
     return value(info.annotation, info, finite)
 
 
-def literal(model: type[BaseModel], name: str) -> tuple[str, ...]:
-    """The values ``model``'s field ``name`` allows: its flag's choices."""
-    return get_args(model.model_fields[name].annotation)
+def in_words(error: Mapping[str, Any]) -> str:
+    """One of pydantic's errors: a validator's own words, else pydantic's with the value."""
+    if error["type"] == "value_error":
+        return str(error["ctx"]["error"])
+    return f"{error['msg']}, got {error['input']!r}"
 
 
-def device(text: str) -> str:
-    """A device a model can run on here (`minigpt.config.check_device`)."""
+def said(err: ValidationError, options: Collection[str] = ()) -> str:
+    """What settings refused, on one line; a field that is set by one of the ``options``
+    (``--min-lr`` for min_lr) named by its flag: a field the error is about, and one its
+    words name with a value (``lr (=0.1)``) or by a name with an underscore."""
+    def flag(name: str) -> str:
+        return option if (option := "--" + name.replace("_", "-")) in options else name
+
+    def named(text: str) -> str:
+        return re.sub(r"(?<![\w-])[a-z]\w*(_\w+|(?= ?\(?=))", lambda m: flag(m[0]), text)
+
+    def where(error: Mapping[str, Any]) -> str:  # the field an error is about, if any
+        name = flag(str(error["loc"][0])) if error["loc"] else ""
+        return f"{'argument ' * name.startswith('--')}{name}: " if name else ""
+
+    return "; ".join(where(e) + named(in_words(e)) for e in err.errors())
+
+
+def settings(args: argparse.Namespace, make: Callable[..., T], *pos: Any, **flags: Any) -> T:
+    """``make(*pos, **flags)``: settings made of the flags given. What they refuse is a usage
+    error, each field named by its flag (`said`)."""
     try:
-        return check_device(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
+        return make(*pos, **flags)
+    except ValidationError as err:
+        parser: Parser = args.parser
+        parser.error(said(err, {o for a in parser._actions for o in a.option_strings}))
+
+
+def text_file(text: str) -> Path:
+    """A file to read: one that exists and is a regular file (not a folder, device or pipe)."""
+    if not (path := Path(text)).is_file():
+        raise argparse.ArgumentTypeError(f"{path}: no such file" if not path.exists() else
+                                         f"{path} is not a regular file (a folder, device or "
+                                         "pipe); give a UTF-8 text file")
+    return path
+
+
+def folder(text: str) -> Path:
+    """A folder to write in: one that exists, or none yet (it is made)."""
+    if (path := Path(text)).exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{path} exists and is not a directory")
+    return path
+
+
+def appendable(text: str) -> Path:
+    """A file to add lines to (made if missing): not a folder, in a folder that exists."""
+    if (path := Path(text)).is_dir() or not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{path} is a directory" if path.is_dir() else
+                                         f"{path.parent}: no such directory")
+    return path
+
+
+def checkpoint(text: str) -> Path:
+    """A saved run: a folder holding checkpoint.pt (a run's --out), or the file itself."""
+    path = Path(text)
+    if not (file := path / CHECKPOINT_NAME if path.is_dir() else path).is_file():
+        raise argparse.ArgumentTypeError(f"no checkpoint at {file}")
+    return path
 
 
 def cached_model(text: str) -> str:
@@ -173,9 +229,45 @@ def cached_model(text: str) -> str:
     return name
 
 
-def given(**values: Any) -> dict[str, Any]:
-    """The flags given (one not given is None): a setting left out keeps its default."""
-    return {name: v for name, v in values.items() if v is not None}
+# ------------------------------------------------- the settings' flags: one a field
+
+def field_docs(model: type[BaseModel]) -> dict[str, str]:
+    """Each field's text in the Attributes section of ``model``'s docstring, on one line and
+    without reST's backquotes (``beta1, beta2: ...`` gives both the text)."""
+    names = "|".join(model.model_fields)
+    text = inspect.cleandoc(model.__doc__ or "").partition("Attributes:")[2].replace("`", "")
+    parts = re.split(rf"(?:^|\s)((?:{names})(?:, (?:{names}))*): ", " ".join(text.split()))
+    return {name: doc for fields, doc in zip(parts[1::2], parts[2::2], strict=True)
+            for name in fields.split(", ")}
+
+
+def add_fields(group: argparse._ActionsContainer, model: type[BaseModel], preset: Any, *,
+               skip: Collection[str] = (), follows: Collection[str] = (),
+               own: dict[str, dict[str, Any]] | None = None) -> None:
+    """A flag for each of ``model``'s fields but ``skip`` (--d-model sets d_model): it takes
+    what the field takes (on/off for a bool, a Literal's choices), its help is the field's
+    text in the docstring (`field_docs`), and it is None unless given, which leaves the
+    field to the settings. The help shows ``preset``'s value as the default, but for
+    ``follows``, whose default follows from other fields. ``own``: a flag's own
+    `add_argument` keywords (``into``: the group it joins)."""
+    docs = field_docs(model)
+    for name, info in model.model_fields.items():
+        if name in skip:
+            continue
+        kind = info.annotation
+        how = ({"action": argparse.BooleanOptionalAction} if kind is bool else
+               {"choices": get_args(kind)} if get_origin(kind) is Literal else
+               {"type": field(model, name)}) | (own or {}).get(name, {})
+        shown = getattr(preset, name, None)  # a field required and not in the preset: none
+        default = "" if shown is None or name in follows or how.get("action") == "store_true" \
+            else f" (default: {shown if str(shown).isprintable() else repr(shown)})"
+        how.pop("into", group).add_argument("--" + name.replace("_", "-"), **how,
+                                            help=(docs[name] + default).replace("%", "%%"))
+
+
+def given(args: argparse.Namespace, model: type[BaseModel]) -> dict[str, Any]:
+    """The flags of ``model``'s fields that were given, by field."""
+    return {name: v for name in model.model_fields if (v := getattr(args, name, None)) is not None}
 
 
 def keyword_default(function: Callable[..., Any], name: str) -> Any:
@@ -206,139 +298,75 @@ def threads(n: int | None) -> AbstractContextManager[None]:
 
 # -------------------------------------------------------------------------------- train
 
+#: The settings a resumed run may change (--max-steps, --device); the others are its own.
+RESUMED = ("max_steps", "device")
+
+
 def add_train(commands: argparse._SubParsersAction[Parser]) -> None:
     p = command(commands, "train", train_command, "train a GPT on a text file (defaults: "
                 "nanoGPT's CPU recipe for character-level Shakespeare)")
-    on_off = argparse.BooleanOptionalAction
     r = p.add_argument_group("run")
-    r.add_argument("--out", type=Path, required=True, help="folder of the run: checkpoint.pt, "
-                   "metrics.json, history.json, the ids")
+    r.add_argument("--out", type=folder, required=True, help="folder of the run: "
+                   "checkpoint.pt, metrics.json, history.json, the ids")
     r.add_argument("--resume", action="store_true", help="continue the run in --out with its "
                    "own settings (--max-steps and --device may change)")
     r.add_argument("--stop-at", type=natural, help="stop (and checkpoint) at this step")
     r.add_argument("--threads", type=count, help="torch threads (default: PyTorch's)")
     r.add_argument("--compile", action="store_true", help="torch.compile (needs a C++ compiler)")
-    r.add_argument("--progress", action=on_off, default=True,
+    r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                    help="show a progress bar (default: %(default)s)")
     r.add_argument("--nproc-per-node", type=count, help="processes to start (torchrun)")
     r.add_argument("--master-port", type=port, help="their port on 127.0.0.1 (default: free)")
     r.add_argument("--backend", choices=("gloo", "nccl"), help="default: nccl on CUDA, gloo")
+    # A new run's flags are None unless given, so that --resume can refuse each one given.
     n = p.add_argument_group("a new run (not with --resume)")
-    n.add_argument("--text", type=Path, help="UTF-8 text (default: Shakespeare's plays)")
-    n.add_argument("--tokenizer", choices=KINDS, default="char",
-                   help="bpe is trained on the train split (default: %(default)s)")
+    n.add_argument("--text", type=text_file, help="UTF-8 text (default: Shakespeare's plays)")
+    n.add_argument("--tokenizer", choices=KINDS, help="bpe is trained on the train split "
+                   "(default: char)")
     n.add_argument("--bpe-vocab-size", type=value(int, Field(ge=2)),
                    help=f"V of --tokenizer bpe (default: {DEFAULT_BPE_VOCAB_SIZE})")
-    n.add_argument("--recipe", choices=("gpt2", "modern"), default="gpt2", help="modern: the "
-                   "modern layout and training under the flags given (default: %(default)s)")
+    n.add_argument("--recipe", choices=("gpt2", "modern"), help="modern: the modern layout "
+                   "and training under the flags given (default: gpt2)")
     n.add_argument("--global-batch-size", type=count, help="sets --grad-accum: sequences a "
                    "step sees over all the processes")
-    # A model or optimisation flag not given is None: the recipe's preset fills in its field.
-    c, g = GPTConfig.shakespeare_cpu(vocab_size=65), partial(field, GPTConfig)
     m = p.add_argument_group("model: GPTConfig's fields (default: GPTConfig.shakespeare_cpu; "
                              "--recipe modern: .modern)")
-    m.add_argument("--context-length", type=g("context_length"),
-                   help=f"T_max (default: {c.context_length})")
-    m.add_argument("--d-model", type=g("d_model"), help=f"D, the width (default: {c.d_model})")
-    m.add_argument("--n-heads", type=g("n_heads"), help=f"H, heads a layer (default: {c.n_heads})")
-    m.add_argument("--n-layers", type=g("n_layers"), help=f"L, blocks (default: {c.n_layers})")
-    m.add_argument("--d-ff", type=g("d_ff"), help="feed-forward width (4 D; 8D/3 with swiglu)")
-    m.add_argument("--dropout", type=g("dropout"), help=f"in [0, 1) (default: {c.dropout})")
-    m.add_argument("--bias", action=on_off, help=f"biases (default: {c.bias})")
-    m.add_argument("--tie-weights", action=on_off,
-                   help=f"the head is the token embedding (default: {c.tie_weights})")
-    m.add_argument("--positional", choices=literal(GPTConfig, "positional"),
-                   help=f"positions (default: {c.positional})")
-    m.add_argument("--layer-norm-eps", type=g("layer_norm_eps"),
-                   help=f"(default: {c.layer_norm_eps})")
-    m.add_argument("--activation", choices=literal(GPTConfig, "activation"),
-                   help=f"the feed-forward non-linearity (default: {c.activation})")
-    m.add_argument("--norm", choices=literal(GPTConfig, "norm"), help=f"(default: {c.norm})")
-    m.add_argument("--norm-weight", action=on_off,
-                   help=f"norms have a learned gain (default: {c.norm_weight})")
-    m.add_argument("--qk-norm", action=on_off,
-                   help=f"normalise queries and keys (default: {c.qk_norm})")
-    m.add_argument("--n-kv-heads", type=g("n_kv_heads"),
-                   help="key-value heads (grouped-query attention; default: --n-heads)")
-    m.add_argument("--rope-base", type=g("rope_base"),
-                   help=f"(default: {c.rope_base})")
-    m.add_argument("--zero-init", action=on_off,
-                   help=f"output projections start at zero (default: {c.zero_init})")
-    t, f = TrainConfig(), partial(field, TrainConfig)
+    add_fields(m, GPTConfig, GPTConfig.shakespeare_cpu(vocab_size=65), skip=("vocab_size",),
+               follows=("d_ff",))  # V is the text's; the feed-forward width follows from D
     o = p.add_argument_group("optimisation: TrainConfig's fields (default: TrainConfig(); "
                              "--recipe modern: .modern)")
-    o.add_argument("--batch-size", type=f("batch_size"),
-                   help=f"B, sequences a micro-batch, per process (default: {t.batch_size})")
-    o.add_argument("--grad-accum", type=f("grad_accum"),
-                   help=f"micro-batches a step (default: {t.grad_accum})")
-    o.add_argument("--max-steps", type=f("max_steps"),
-                   help=f"optimiser steps (default: {t.max_steps})")
-    o.add_argument("--lr", type=f("lr"), help=f"peak learning rate (default: {t.lr})")
-    o.add_argument("--min-lr", type=f("min_lr"), help=f"the rate decayed to (default: {t.min_lr})")
-    o.add_argument("--warmup-steps", type=f("warmup_steps"),
-                   help=f"linear warm-up (default: {t.warmup_steps}, or --decay-steps if fewer)")
-    o.add_argument("--decay-steps", type=f("decay_steps"),
-                   help="where the schedule reaches --min-lr (default: --max-steps)")
-    o.add_argument("--weight-decay", type=f("weight_decay"),
-                   help=f"on matrices only (default: {t.weight_decay})")
-    o.add_argument("--beta1", type=f("beta1"), help=f"AdamW's (default: {t.beta1})")
-    o.add_argument("--beta2", type=f("beta2"), help=f"AdamW's (default: {t.beta2})")
-    o.add_argument("--grad-clip", type=f("grad_clip"), help=f"0: none (default: {t.grad_clip})")
-    o.add_argument("--eval-interval", type=f("eval_interval"), help="evaluate and checkpoint "
-                   f"every this many steps (default: {t.eval_interval})")
-    o.add_argument("--eval-steps", type=f("eval_steps"),
-                   help=f"batches a split an evaluation (default: {t.eval_steps})")
-    o.add_argument("--eval-full", action=on_off,
-                   help=f"validate on the whole split (default: {t.eval_full})")
-    o.add_argument("--seed", type=f("seed"), help=f"weights, batches, dropout (default: {t.seed})")
-    o.add_argument("--bf16", action=on_off, help=f"bf16 autocast (default: {t.bf16})")
-    o.add_argument("--device", type=device, help=f"cpu, cuda, cuda:1, ... (default: {t.device})")
-    o.add_argument("--optimizer", choices=literal(TrainConfig, "optimizer"),
-                   help=f"muon: Muon on the hidden matrices (default: {t.optimizer})")
-    o.add_argument("--muon-lr", type=f("muon_lr"), help=f"Muon's peak rate (default: {t.muon_lr})")
-    o.add_argument("--muon-momentum", type=f("muon_momentum"), help=f"(default: {t.muon_momentum})")
-    o.add_argument("--schedule", choices=literal(TrainConfig, "schedule"),
-                   help=f"after the warm-up (default: {t.schedule})")
-    o.add_argument("--cooldown-fraction", type=f("cooldown_fraction"),
-                   help=f"the trapezoid's, of --decay-steps (default: {t.cooldown_fraction})")
-
-#: The flags `train --resume` takes: the run's other settings are its checkpoint's.
-RESUMABLE = {"--out", "--resume", "--stop-at", "--threads", "--compile", "--progress",
-             "--no-progress", "--nproc-per-node", "--master-port", "--backend", "--max-steps",
-             "--device"}
+    add_fields(o, TrainConfig, TrainConfig(), follows=("decay_steps",))
+    p.set_defaults(fresh=[a for g in (n, m, o) for a in g._group_actions
+                          if a.dest not in RESUMED])
 
 
 def train_command(args: argparse.Namespace, argv: list[str]) -> int:
     """A new run from the flags, or (--resume) the run saved in --out, with its settings."""
     if args.bpe_vocab_size is not None and args.tokenizer != "bpe":
         args.parser.error("--bpe-vocab-size applies only with --tokenizer bpe")
-    if args.out.exists() and not args.out.is_dir():
-        raise ValueError(f"--out {args.out} exists and is not a directory")
     if args.resume:
-        if extra := sorted({a.split("=")[0] for a in argv if a.startswith("--")} - RESUMABLE):
-            raise ValueError(f"--resume continues the run saved in --out with its own settings;"
-                             f" drop {', '.join(extra)} (only --max-steps and --device may change)")
-        shape, config, tokenizer = saved_settings(args.out, **given(
-            max_steps=args.max_steps, device=args.device))
+        if new := [a.option_strings[-1 if getattr(args, a.dest) is False else 0]
+                   for a in args.fresh if getattr(args, a.dest) is not None]:
+            args.parser.error(f"--resume continues the run saved in --out with its own "
+                              f"settings; drop {', '.join(new)} (only --max-steps and --device "
+                              "may change)")
+        try:
+            checkpoint(str(args.out))
+        except argparse.ArgumentTypeError as err:
+            args.parser.error(f"--resume continues the run saved in --out: {err}")
+        shape, config, tokenizer = saved_settings(args.out, **{
+            name: v for name in RESUMED if (v := getattr(args, name)) is not None})
     else:
         if args.global_batch_size is not None and args.grad_accum is not None:
-            raise ValueError("give --global-batch-size or --grad-accum, not both: the global "
-                             "batch size sets the accumulation steps")
-        make = TrainConfig.modern if args.recipe == "modern" else TrainConfig
-        config = make(**given(
-            batch_size=args.batch_size, grad_accum=args.grad_accum, max_steps=args.max_steps,
-            lr=args.lr, min_lr=args.min_lr, warmup_steps=args.warmup_steps,
-            decay_steps=args.decay_steps, weight_decay=args.weight_decay, beta1=args.beta1,
-            beta2=args.beta2, grad_clip=args.grad_clip, eval_interval=args.eval_interval,
-            eval_steps=args.eval_steps, eval_full=args.eval_full, seed=args.seed,
-            bf16=args.bf16, device=args.device, optimizer=args.optimizer,
-            muon_lr=args.muon_lr, muon_momentum=args.muon_momentum, schedule=args.schedule,
-            cooldown_fraction=args.cooldown_fraction))
+            args.parser.error("give --global-batch-size or --grad-accum, not both: the global "
+                              "batch size sets the accumulation steps")
+        config = settings(args, TrainConfig.modern if args.recipe == "modern" else TrainConfig,
+                          **given(args, TrainConfig))
     if args.nproc_per_node is not None and "RANK" not in os.environ:
         return launch(args, config, argv)
     source: str | None = None  # a new run's text, named
     with processes(args.threads, config.device, args.backend) as ctx:
-        config = with_global_batch(config, args.global_batch_size, ctx.world_size)
+        config = global_batch(args, config, ctx.world_size)
         if not args.resume:
             shape, tokenizer, text, source = new_model(args)
             if ctx.is_main:
@@ -360,22 +388,27 @@ def train_command(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
+def global_batch(args: argparse.Namespace, config: TrainConfig, world_size: int) -> TrainConfig:
+    """``config`` with the accumulation that --global-batch-size sets over ``world_size``
+    processes; one that does not split into their micro-batches is a usage error."""
+    try:
+        return with_global_batch(config, args.global_batch_size, world_size)
+    except ValueError as err:
+        parser: Parser = args.parser
+        parser.error(str(err))
+
+
 def new_model(args: argparse.Namespace) -> tuple[GPTConfig, Tokenizer, str, str]:
     """A new run's model settings, tokenizer, text and the text's source."""
     text, source = (data.read_text(args.text), str(args.text)) if args.text is not None else (
         data.shakespeare_text(), "minigpt.data.shakespeare_text()")
     # BPE is trained on the training split only: validation text stays unseen.
+    kind = args.tokenizer or "char"
     tokenizer = get_tokenizer("bpe", data.split_text(text)[0], vocab_size=args.bpe_vocab_size
-                              ) if args.tokenizer == "bpe" else get_tokenizer(args.tokenizer, text)
+                              ) if kind == "bpe" else get_tokenizer(kind, text)
     make = GPTConfig.modern if args.recipe == "modern" else GPTConfig.shakespeare_cpu
-    shape = make(tokenizer.vocab_size, **given(
-        context_length=args.context_length, d_model=args.d_model, n_heads=args.n_heads,
-        n_layers=args.n_layers, d_ff=args.d_ff, dropout=args.dropout, bias=args.bias,
-        tie_weights=args.tie_weights, positional=args.positional,
-        layer_norm_eps=args.layer_norm_eps, activation=args.activation, norm=args.norm,
-        norm_weight=args.norm_weight, qk_norm=args.qk_norm, n_kv_heads=args.n_kv_heads,
-        rope_base=args.rope_base, zero_init=args.zero_init))
-    return shape, tokenizer, text, source
+    return settings(args, make, tokenizer.vocab_size, **given(args, GPTConfig)), tokenizer, \
+        text, source
 
 
 def launch(args: argparse.Namespace, config: TrainConfig, argv: list[str]) -> int:
@@ -387,13 +420,18 @@ def launch(args: argparse.Namespace, config: TrainConfig, argv: list[str]) -> in
     from torch.distributed.run import parse_args
     from torch.distributed.run import run as torchrun
 
-    n = args.nproc_per_node
-    parallel.choose_backend(torch.device(config.device), args.backend)
+    n, run_on = args.nproc_per_node, torch.device(config.device)
+    try:
+        parallel.choose_backend(run_on, args.backend)
+    except parallel.DistributedError as err:  # nccl for a run off CUDA: the flags' fault
+        if run_on.type == "cuda":  # a machine without NCCL: not the command line's
+            raise
+        args.parser.error(str(err))
     if args.resume and (saved := load_checkpoint(args.out)["world_size"]) != n:
         raise ValueError(f"the run in {args.out} was trained by {saved} process(es); "
                          f"resume it with --nproc-per-node {saved}")
     if not args.resume:  # a global batch that does not split, before anything starts
-        with_global_batch(config, args.global_batch_size, n)
+        global_batch(args, config, n)
     where = ["--standalone"]  # torchrun picks a free port
     if args.master_port is not None:
         parallel.check_port(args.master_port)
@@ -416,39 +454,14 @@ def launch(args: argparse.Namespace, config: TrainConfig, argv: list[str]) -> in
 def add_sample(commands: argparse._SubParsersAction[Parser]) -> None:
     p = command(commands, "sample", sample_command, "continue a prompt with a trained "
                 "checkpoint")
-    s, f = SampleSettings.model_construct(), partial(field, SampleSettings)  # defaults
-    p.add_argument("--checkpoint", type=Path, required=True,
-                   help="the --out folder of `python -m minigpt train`")
-    p.add_argument("--prompt", type=f("prompt"),
-                   help=f"text to continue (default: {s.prompt!r})")
-    p.add_argument("--max-new-tokens", type=f("max_new_tokens"),
-                   help=f"tokens to add (default: {s.max_new_tokens})")
-    p.add_argument("--temperature", type=f("temperature"), help="0 is greedy (default: 1)")
-    p.add_argument("--top-k", type=f("top_k"), help="sample among the k most likely tokens only")
-    p.add_argument("--top-p", type=f("top_p"), help="sample among the "
-                   "fewest most likely tokens whose probabilities add up to p")
-    p.add_argument("--greedy", action="store_true", help="always take the most likely token")
-    p.add_argument("--seed", type=f("seed"), help=f"seeds the sampler (default: {s.seed})")
-    p.add_argument("--num-samples", type=f("num_samples"),
-                   help=f"independent continuations to print (default: {s.num_samples})")
-    p.add_argument("--cache", action=argparse.BooleanOptionalAction, help="keep a key-value "
-                   f"cache (--no-cache: slower, the same tokens) (default: {s.cache})")
-    p.add_argument("--device", type=device, help=f"cpu, cuda, cuda:1, ... (default: {s.device})")
-    search = p.add_mutually_exclusive_group()
-    search.add_argument("--beams", type=f("beams"), help="beam search with this many beams: the "
-                        "most likely continuation found, no sampling")
-    search.add_argument("--draft", type=Path, help="speculative sampling: a smaller model's "
-                        "checkpoint (the same tokenizer) proposes, this one checks")
-    p.add_argument("--speculate", type=f("speculate"),
-                   help="tokens the draft proposes a round (default: 4; needs --draft)")
+    search = p.add_mutually_exclusive_group()  # beam search, or a draft's proposals
+    add_fields(p, SampleSettings, SampleSettings.model_construct(), own={
+        "checkpoint": dict(type=checkpoint, required=True), "greedy": dict(action="store_true"),
+        "beams": dict(into=search), "draft": dict(type=checkpoint, into=search)})
 
 
 def sample_command(args: argparse.Namespace, argv: list[str]) -> int:
-    s = SampleSettings(**given(
-        checkpoint=args.checkpoint, prompt=args.prompt, max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, greedy=args.greedy,
-        seed=args.seed, num_samples=args.num_samples, cache=args.cache, device=args.device,
-        beams=args.beams, draft=args.draft, speculate=args.speculate))
+    s = settings(args, SampleSettings, **given(args, SampleSettings))
     print(("\n" + "-" * 40 + "\n").join(sample_texts(s)))
     return 0
 
@@ -458,7 +471,7 @@ def sample_command(args: argparse.Namespace, argv: list[str]) -> int:
 def add_start(p: argparse.ArgumentParser, model: str, on_device: bool = True) -> None:
     """--checkpoint or --model (not both), the model a command starts from, and --device."""
     start = p.add_mutually_exclusive_group()
-    start.add_argument("--checkpoint", type=Path, help="a run's folder (its checkpoint.pt)")
+    start.add_argument("--checkpoint", type=checkpoint, help="a run's folder (its checkpoint.pt)")
     start.add_argument("--model", type=cached_model, default=model, help="a cached model, "
                        "by name (default: %(default)s; `python -m minigpt pretrained --help` "
                        "names them)")
@@ -469,7 +482,7 @@ def add_start(p: argparse.ArgumentParser, model: str, on_device: bool = True) ->
 
 def add_task_flags(p: argparse.ArgumentParser) -> None:
     """The text the tasks are made from, how many, and their seed (set-up's by default)."""
-    p.add_argument("--text", type=Path, help="UTF-8 plays to make the tasks from, their first"
+    p.add_argument("--text", type=text_file, help="UTF-8 plays to make the tasks from, their first"
                    f" {ASSISTANT_RECIPE.base.train_fraction:.0%}% (default: Shakespeare's)")
     p.add_argument("--n-train", type=count, default=ASSISTANT_RECIPE.n_train,
                    help="training tasks a family (default: %(default)s)")
@@ -481,7 +494,7 @@ def add_task_flags(p: argparse.ArgumentParser) -> None:
 
 def add_tuning_flags(p: argparse.ArgumentParser, recipe: dict[str, Any]) -> None:
     """Where a tuning run writes, its steps, rate, seed (``recipe``'s by default), threads."""
-    p.add_argument("--out", type=Path, required=True,
+    p.add_argument("--out", type=folder, required=True,
                    help="folder for checkpoint.pt and metrics.json")
     p.add_argument("--steps", type=count, default=recipe["max_steps"],
                    help="optimiser steps (default: %(default)s)")
@@ -618,8 +631,8 @@ def add_rl(commands: argparse._SubParsersAction[Parser]) -> None:
                    help="questions drawn and answers sampled (default: %(default)s)")
     p.add_argument("--validation", action="store_true", help="evaluate on as many other "
                    "held-out words, none of those the chapter evaluates")
-    p.add_argument("--out", type=Path, help="write checkpoint.pt and metrics.json here")
-    p.add_argument("--json", type=Path, help="append the run's numbers here, one line")
+    p.add_argument("--out", type=folder, help="write checkpoint.pt and metrics.json here")
+    p.add_argument("--json", type=appendable, help="append the run's numbers here, one line")
     p.add_argument("--threads", type=count, help="torch threads (default: PyTorch's)")
 
 
@@ -670,7 +683,7 @@ def rl_command(args: argparse.Namespace, argv: list[str]) -> int:
         with args.json.open("a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
     if args.out is not None:
-        config = TrainConfig(max_steps=steps, seed=args.seed, **given(lr=lr))
+        config = TrainConfig(max_steps=steps, seed=args.seed, lr=lr or TrainConfig().lr)
         args.out.mkdir(parents=True, exist_ok=True)
         # A rewards run is not resumed: its checkpoint holds the model, not the optimiser.
         save_checkpoint(args.out / CHECKPOINT_NAME, {
@@ -728,7 +741,7 @@ def add_assets(commands: argparse._SubParsersAction[Parser]) -> None:
                 "verify the corpus and GPT-2's BPE ranks")
     p.add_argument("--check", action="store_true", help="only verify what is in the cache; "
                    "exit 1 if anything is missing")
-    p.add_argument("--cache", type=Path,
+    p.add_argument("--cache", type=folder,
                    help="cache folder (default: $MINIGPT_CACHE or ~/.cache/minigpt)")
 
 
