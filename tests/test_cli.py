@@ -601,13 +601,13 @@ def test_each_settings_field_has_one_flag_whose_help_is_its_docstring(
     models = (GPTConfig, TrainConfig) if command == "train" else (SampleSettings,)
     for model in models:
         doc = " ".join(inspect.cleandoc(model.__doc__ or "").replace("`", "").split())
-        entry = "|".join(model.model_fields)  # where a field's text starts: "name: "
+        entry = "|".join(model.model_fields)  # an entry starts a sentence: ". name: "
         for name in set(model.model_fields) - {"vocab_size"}:
             flag = "--" + name.replace("_", "-")
             assert len(re.findall(rf"(?<![\w-]){flag}(?![\w-])", usage)) == 1, flag
             text = re.sub(r" \(default: [^)]*\)$", "", helps[flag])
-            assert re.search(rf"(?<![\w-]){name}(, \w+)*: {re.escape(text)}( ({entry})[:,]|$)",
-                             doc), (flag, text)
+            assert re.search(rf"(Attributes:|\.) (\w+, )*{name}(, \w+)*: {re.escape(text)}"
+                             rf"( ({entry})[:,]|$)", doc), (flag, text)  # its whole entry
 
 
 def test_a_refusal_from_a_checkpoint_is_not_a_usage_error(

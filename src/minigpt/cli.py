@@ -233,12 +233,13 @@ def cached_model(text: str) -> str:
 
 def field_docs(model: type[BaseModel]) -> dict[str, str]:
     """Each field's text in the Attributes section of ``model``'s docstring, on one line and
-    without reST's backquotes (``beta1, beta2: ...`` gives both the text)."""
+    without reST's backquotes. An entry starts a line or a sentence (``name: ...``; ``beta1,
+    beta2: ...`` gives both the text)."""
     names = "|".join(model.model_fields)
     text = inspect.cleandoc(model.__doc__ or "").partition("Attributes:")[2].replace("`", "")
-    parts = re.split(rf"(?:^|\s)((?:{names})(?:, (?:{names}))*): ", " ".join(text.split()))
-    return {name: doc for fields, doc in zip(parts[1::2], parts[2::2], strict=True)
-            for name in fields.split(", ")}
+    parts = re.split(rf"(?:^ +|(?<=\. ))((?:{names})(?:, (?:{names}))*): ", text, flags=re.M)
+    entries = zip(parts[1::2], parts[2::2], strict=True)
+    return {name: " ".join(doc.split()) for fields, doc in entries for name in fields.split(", ")}
 
 
 def add_fields(group: argparse._ActionsContainer, model: type[BaseModel], preset: Any, *,
