@@ -183,8 +183,8 @@ def settings(args: argparse.Namespace, make: Callable[..., T], *pos: Any, **flag
     try:
         return make(*pos, **flags)
     except ValidationError as err:
-        parser: Parser = args.parser
-        parser.error(said(err, {o for a in parser._actions for o in a.option_strings}))
+        parser: Parser = args.parser  # a field the command has a flag for is in ``args``
+        parser.error(said(err, {"--" + name.replace("_", "-") for name in vars(args)}))
 
 
 def text_file(text: str) -> Path:
@@ -244,14 +244,14 @@ def field_docs(model: type[BaseModel]) -> dict[str, str]:
 
 def add_fields(group: argparse._ActionsContainer, model: type[BaseModel], preset: Any, *,
                skip: Collection[str] = (), follows: Collection[str] = (),
-               own: dict[str, dict[str, Any]] | None = None) -> None:
+               own: dict[str, dict[str, Any]] | None = None) -> list[argparse.Action]:
     """A flag for each of ``model``'s fields but ``skip`` (--d-model sets d_model): it takes
     what the field takes (on/off for a bool, a Literal's choices), its help is the field's
     text in the docstring (`field_docs`), and it is None unless given, which leaves the
     field to the settings. The help shows ``preset``'s value as the default, but for
     ``follows``, whose default follows from other fields. ``own``: a flag's own
-    `add_argument` keywords (``into``: the group it joins)."""
-    docs = field_docs(model)
+    `add_argument` keywords (``into``: the group it joins). Returns the flags made."""
+    docs, made = field_docs(model), []
     for name, info in model.model_fields.items():
         if name in skip:
             continue
@@ -262,8 +262,9 @@ def add_fields(group: argparse._ActionsContainer, model: type[BaseModel], preset
         shown = getattr(preset, name, None)  # a field required and not in the preset: none
         default = "" if shown is None or name in follows or how.get("action") == "store_true" \
             else f" (default: {shown if str(shown).isprintable() else repr(shown)})"
-        how.pop("into", group).add_argument("--" + name.replace("_", "-"), **how,
-                                            help=(docs[name] + default).replace("%", "%%"))
+        made.append(how.pop("into", group).add_argument(
+            "--" + name.replace("_", "-"), **how, help=(docs[name] + default).replace("%", "%%")))
+    return made
 
 
 def given(args: argparse.Namespace, model: type[BaseModel]) -> dict[str, Any]:
@@ -321,24 +322,24 @@ def add_train(commands: argparse._SubParsersAction[Parser]) -> None:
     r.add_argument("--backend", choices=("gloo", "nccl"), help="default: nccl on CUDA, gloo")
     # A new run's flags are None unless given, so that --resume can refuse each one given.
     n = p.add_argument_group("a new run (not with --resume)")
-    n.add_argument("--text", type=text_file, help="UTF-8 text (default: Shakespeare's plays)")
-    n.add_argument("--tokenizer", choices=KINDS, help="bpe is trained on the train split "
-                   "(default: char)")
-    n.add_argument("--bpe-vocab-size", type=value(int, Field(ge=2)),
-                   help=f"V of --tokenizer bpe (default: {DEFAULT_BPE_VOCAB_SIZE})")
-    n.add_argument("--recipe", choices=("gpt2", "modern"), help="modern: the modern layout "
-                   "and training under the flags given (default: gpt2)")
-    n.add_argument("--global-batch-size", type=count, help="sets --grad-accum: sequences a "
-                   "step sees over all the processes")
+    fresh = [n.add_argument("--text", type=text_file, help="UTF-8 text (default: Shakespeare's "
+                            "plays)"),
+             n.add_argument("--tokenizer", choices=KINDS, help="bpe is trained on the train "
+                            "split (default: char)"),
+             n.add_argument("--bpe-vocab-size", type=value(int, Field(ge=2)),
+                            help=f"V of --tokenizer bpe (default: {DEFAULT_BPE_VOCAB_SIZE})"),
+             n.add_argument("--recipe", choices=("gpt2", "modern"), help="modern: the modern "
+                            "layout and training under the flags given (default: gpt2)"),
+             n.add_argument("--global-batch-size", type=count, help="sets --grad-accum: "
+                            "sequences a step sees over all the processes")]
     m = p.add_argument_group("model: GPTConfig's fields (default: GPTConfig.shakespeare_cpu; "
                              "--recipe modern: .modern)")
-    add_fields(m, GPTConfig, GPTConfig.shakespeare_cpu(vocab_size=65), skip=("vocab_size",),
-               follows=("d_ff",))  # V is the text's; the feed-forward width follows from D
+    fresh += add_fields(m, GPTConfig, GPTConfig.shakespeare_cpu(vocab_size=65),
+                        skip=("vocab_size",), follows=("d_ff",))  # V is the text's; d_ff follows D
     o = p.add_argument_group("optimisation: TrainConfig's fields (default: TrainConfig(); "
                              "--recipe modern: .modern)")
-    add_fields(o, TrainConfig, TrainConfig(), follows=("decay_steps",))
-    p.set_defaults(fresh=[a for g in (n, m, o) for a in g._group_actions
-                          if a.dest not in RESUMED])
+    fresh += add_fields(o, TrainConfig, TrainConfig(), follows=("decay_steps",))
+    p.set_defaults(fresh=[a for a in fresh if a.dest not in RESUMED])
 
 
 def train_command(args: argparse.Namespace, argv: list[str]) -> int:
