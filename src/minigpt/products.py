@@ -16,7 +16,8 @@ kernels, but an AMD CPU runs another branch. Measured under `qemu-x86_64 -cpu Ha
 So `install` replaces PyTorch's CPU kernels of every matrix-product operator (`mm`, `addmm`,
 `bmm`, `baddbmm`, `mv`, `addmv`, `dot`: what `nn.Linear` and its gradients, `matmul`, `@`,
 `einsum`, attention's products and Muon's Newton-Schulz products all come down to) with the
-kernels of ``products.cpp``, compiled once per machine:
+kernels of ``products.cpp``, compiled once per machine (`build`: at set-up, or by the first
+process that finds no library, saying so):
 
 - a float32 product of at least `MIN_ROWS` rows and `MIN_COLS` columns goes to MKL in blocks
   of at most `BLOCK` along its inner dimension, added left to right (the bias after the first
@@ -44,13 +45,16 @@ import hashlib
 import json
 import os
 import platform
+import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+from filelock import FileLock, Timeout
 
 #: The longest inner dimension MKL is given: the block MKL's Intel AVX2 kernels sum at a time.
 BLOCK = 192
@@ -66,7 +70,16 @@ FLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", f"-DMINIGPT_BLOCK={BLOCK}
          f"-DMINIGPT_MIN_ROWS={MIN_ROWS}", f"-DMINIGPT_MIN_COLS={MIN_COLS}",
          f"-DMINIGPT_LANES={LANES}")
 
+#: How long a process waits for another that is compiling the products before it gives up
+#: (a compile takes 20-90 s; a process that dies while compiling frees the lock at once).
+LOCK_WAIT = 600.0
+
 _loaded: list[Path] = []
+
+
+def tell(line: str) -> None:
+    """A line of what the build does, on stderr (a chapter's output stays its own)."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def applies() -> bool:
@@ -86,35 +99,109 @@ def build_key() -> str:
     return hashlib.sha256(material).hexdigest()[:16]
 
 
-def install() -> None:
-    """Load the kernels of ``products.cpp`` into PyTorch, once a process, compiling them
-    first if this machine has not (about 30 seconds, into PyTorch's extensions folder,
-    ``TORCH_EXTENSIONS_DIR``). A no-op where `applies` is false."""
+def library_path() -> Path:
+    """Where this machine keeps the compiled products: PyTorch's extensions folder
+    (``$TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions``), one file a `build_key`."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path(
+        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torch_extensions"
+    return Path(root) / "minigpt" / f"minigpt_products_{build_key()}.so"
+
+
+def build(say: Callable[[str], None] = tell) -> Path:
+    """The compiled products, compiled first if this machine has not (``say`` tells so, and
+    how long it took). Set-up calls it (`make setup`); `install` too, so a process that
+    finds no library compiles one, saying so.
+
+    One process compiles at a time, under a lock the operating system frees when its holder
+    ends, however it ends: a killed compile leaves no lock to wait on. Another process
+    waits for it (saying whose compile it waits for) at most `LOCK_WAIT` seconds. The
+    library is written under a temporary name and renamed into place, so no process ever
+    loads a half-written one."""
+    library = library_path()
+    if library.is_file():
+        return library
+    library.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(library.with_suffix(".lock"))
+    owner = library.with_suffix(".pid")  # who holds the lock, for the waiting line
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        holder = owner.read_text().strip() if owner.is_file() else "another process"
+        say(f"minigpt: waiting for {holder} to compile its matrix products ({library})")
+        try:
+            lock.acquire(timeout=LOCK_WAIT)
+        except Timeout:
+            raise RuntimeError(
+                f"minigpt: {holder} has been compiling the package's matrix products for "
+                f"{LOCK_WAIT:.0f} s and has not finished ({lock.lock_file} is held). Let "
+                "it finish or stop it, then try again.") from None
+    try:
+        if library.is_file():  # the process waited for compiled it
+            return library
+        owner.write_text(f"process {os.getpid()}\n")
+        say("minigpt: compiling its matrix products for this machine (once per PyTorch "
+            f"version; about half a minute) into {library.parent}")
+        began = time.perf_counter()
+        part = library.with_name(f"{library.name}.{os.getpid()}.part")
+        try:
+            compile_library(part)
+            os.replace(part, library)
+        finally:
+            part.unlink(missing_ok=True)
+        say(f"minigpt: compiled its matrix products in {time.perf_counter() - began:.0f} s")
+        return library
+    finally:
+        owner.unlink(missing_ok=True)
+        lock.release()
+
+
+def compile_library(out: Path) -> None:
+    """Compile ``products.cpp`` with the machine's C++ compiler (``$CXX``, else ``g++``)
+    against PyTorch's headers and libraries into ``out``."""
+    from torch.utils import cpp_extension
+
+    compiler = os.environ.get("CXX", "g++")
+    command = [compiler, "-shared", "-fPIC", "-std=c++17", *FLAGS,
+               f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
+               *(f"-I{folder}" for folder in cpp_extension.include_paths()), str(SOURCE),
+               "-o", str(out), *(f"-L{folder}" for folder in cpp_extension.library_paths()),
+               "-lc10", "-ltorch_cpu", "-ltorch"]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+    except OSError as error:
+        said = f"{compiler} could not be run: {error}"
+    else:
+        if done.returncode == 0:
+            return
+        said = f"{compiler} said:\n{done.stderr.strip()[-3000:]}"
+    raise RuntimeError(
+        "minigpt could not compile its matrix products (minigpt/products.cpp), which make a "
+        "seeded run train the same bits on every x86-64 CPU. It needs a C++ compiler: on "
+        "Debian, `apt-get install g++` (or name another in $CXX); or set "
+        "MINIGPT_PRODUCTS=native to use PyTorch's own products (other bits than the book's "
+        f"models). {said}")
+
+
+def install(say: Callable[[str], None] = tell) -> None:
+    """Load the compiled products into PyTorch, once a process (`build` compiles them if
+    this machine has not). A library that will not load (a disk error, a copy cut short) is
+    compiled again, once; then a clear error. A no-op where `applies` is false."""
     if _loaded or not applies():
         return
     if os.environ.get("MINIGPT_CENSUS"):  # the folder the kernels journal the census into
         Path(os.environ["MINIGPT_CENSUS"]).mkdir(parents=True, exist_ok=True)
-    from torch.utils import cpp_extension
-
-    name = f"minigpt_products_{build_key()}"
-    folder = Path(cpp_extension._get_build_directory(name, verbose=False))
-    library = folder / f"{name}.so"
-    if not library.is_file():
-        # PyTorch runs `ninja` from PATH; the venv's own (requirements.txt) is beside Python.
-        os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent),
-                                              os.environ.get("PATH", "")])
-        try:
-            cpp_extension.load(name, [str(SOURCE)], extra_cflags=list(FLAGS),
-                               is_python_module=False, build_directory=str(folder))
-        except (RuntimeError, OSError, ImportError) as error:
-            raise RuntimeError(
-                "minigpt could not compile its matrix products (minigpt/products.cpp), which "
-                "make a seeded run train the same bits on every x86-64 CPU. It needs a C++ "
-                "compiler (g++) and ninja: on Debian, `apt-get install g++`, and `pip install "
-                "ninja`; or set MINIGPT_PRODUCTS=native to use PyTorch's own products (other "
-                f"bits than the book's models). The compiler said:\n{error}") from None
-    else:
+    library = build(say)
+    try:
         torch.ops.load_library(str(library))  # type: ignore[no-untyped-call]
+    except (OSError, RuntimeError) as error:
+        say(f"minigpt: {library} would not load ({error}); compiling it again")
+        library.unlink(missing_ok=True)
+        library = build(say)
+        try:
+            torch.ops.load_library(str(library))  # type: ignore[no-untyped-call]
+        except (OSError, RuntimeError) as again:
+            raise RuntimeError(f"minigpt: its matrix products, compiled again into {library}, "
+                               f"still will not load: {again}") from None
     torch.ops.minigpt_products.install()
     _loaded.append(library)
 
