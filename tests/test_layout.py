@@ -122,3 +122,31 @@ def test_every_package_the_code_imports_is_declared() -> None:
         found = distributions(paths[name.partition(".")[2] or "__init__"],
                               loaded_only=True) - {"minigpt"}
         assert found <= declared, (name, found - declared)
+
+
+def test_the_readme_says_what_an_edit_to_each_module_retrains() -> None:
+    # The column "an edit retrains" of the README's module tables, against the modules each
+    # cached model's key hashes: a module moved into or out of a key must be said.
+    from minigpt.recipes import assistant, copiers, pretrained, rewards, runs
+
+    groups = [("the assistants and rewards runs", assistant.ASSISTANT_MODULES),
+              ("the rewards runs", rewards.REWARDS_MODULES),
+              ("the copiers", copiers.COPIER_MODULES), ("the kept runs", runs.RUN_MODULES)]
+
+    def retrains(modules: list[str]) -> str:
+        if any(m in pretrained.TRAINING_MODULES for m in modules):
+            return "every model and kept run"
+        return next((what for what, key in groups if any(m in key for m in modules)),
+                    "no model")
+
+    readme = (PACKAGE.parents[1] / "README.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| ((?:`minigpt\.[\w.]+`(?:, )?)+) \| .* \| ([^|]+) \|$", readme,
+                      flags=re.M)
+    said = {names: column for names, column in rows}
+    assert len(said) >= 40, "every module of the package has a row"
+    for names, column in said.items():
+        modules = [n.strip("`").removeprefix("minigpt.") for n in names.split(", ")]
+        assert column == retrains(modules), names
+    # Fetching the corpus and beam search train nothing: out of the base models' key.
+    assert said["`minigpt.assets`"] == "no model"
+    assert said["`minigpt.decoding`"] == "the assistants and rewards runs"

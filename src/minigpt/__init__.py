@@ -51,9 +51,24 @@ from minigpt import products  # noqa: E402  (after the kernels are pinned)
 
 products.install()  # every matrix product summed in one order on every CPU (minigpt.products)
 
+from typing import TYPE_CHECKING, Any  # noqa: E402
+
 from minigpt.config import GPTConfig, seed_all  # noqa: E402
-from minigpt.decoding import beam_search, generate  # noqa: E402
 from minigpt.model import GPT  # noqa: E402
+
+if TYPE_CHECKING:
+    from minigpt.decoding import beam_search, generate
 
 __all__ = ["GPT", "PINNED_CPU_KERNELS", "GPTConfig", "beam_search", "generate", "seed_all"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    """`generate` and `beam_search`, from `minigpt.decoding` when first asked for: importing
+    minigpt (as training does) does not load decoding, so decoding is not in the models' key
+    (`minigpt.recipes.pretrained.TRAINING_MODULES`)."""
+    if name in ("generate", "beam_search"):
+        from minigpt import decoding
+
+        return getattr(decoding, name)
+    raise AttributeError(f"module 'minigpt' has no attribute {name!r}")

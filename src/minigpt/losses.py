@@ -23,8 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from minigpt.data import ExampleSet
-from minigpt.decoding import eval_mode
-from minigpt.model import GPT
+from minigpt.model import GPT, eval_mode
 from minigpt.parallel import DistContext, mean_over_ranks, rank_batch, sum_over_ranks
 from minigpt.tokenizer import Tokenizer
 

@@ -8,7 +8,8 @@ projections).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
@@ -239,3 +240,17 @@ def _too_long(past: int, length: int, context_length: int) -> str:
     return (f"the cache holds {past} positions and T={length} new ones would make "
             f"{past + length} > context_length={context_length}; reset() the cache and "
             f"feed the last {context_length} tokens")
+
+
+@contextmanager
+def eval_mode(*models: nn.Module) -> Iterator[None]:
+    """Run the block with ``models`` in eval mode (no dropout), then give each back the mode
+    it was in, even if the block raises."""
+    modes = [model.training for model in models]
+    for model in models:
+        model.eval()
+    try:
+        yield
+    finally:
+        for model, mode in zip(models, modes, strict=True):
+            model.train(mode)

@@ -34,10 +34,9 @@ from minigpt.decoding import (
     _check_sampling,
     _next_logits,
     _prompt_tensor,
-    eval_mode,
     next_token_distribution,
 )
-from minigpt.model import GPT
+from minigpt.model import GPT, eval_mode
 
 
 class SpeculativeResult(NamedTuple):

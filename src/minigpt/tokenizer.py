@@ -30,7 +30,7 @@ import regex
 import tiktoken
 from tiktoken_ext.openai_public import r50k_pat_str
 
-from minigpt.assets import GPT2_TIKTOKEN_SHA256, ChecksumError, gpt2_ranks_path
+from minigpt.files import GPT2_TIKTOKEN_SHA256, ChecksumError, gpt2_ranks_path
 
 ENDOFTEXT = "<|endoftext|>"
 #: The chat format's special tokens (`minigpt.posttrain.chat`): who speaks a turn, and where it

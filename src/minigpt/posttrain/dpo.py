@@ -40,9 +40,9 @@ from torch import Tensor, nn
 
 from minigpt.config import TrainConfig
 from minigpt.data import ExampleSet
-from minigpt.decoding import eval_mode, generate_by_length
+from minigpt.decoding import generate_by_length
 from minigpt.losses import token_logprobs
-from minigpt.model import GPT
+from minigpt.model import GPT, eval_mode
 from minigpt.posttrain.chat import Turn, encode_conversation, greedy_replies, prompt_ids
 from minigpt.posttrain.tasks import NUMBERS, Task, line_words
 from minigpt.tokenizer import CHAT_TOKENS, END_OF_TURN, Tokenizer

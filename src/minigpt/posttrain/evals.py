@@ -34,9 +34,8 @@ import torch
 
 from minigpt.config import check_positive
 from minigpt.data import split_text
-from minigpt.decoding import eval_mode
 from minigpt.losses import bits_per_character
-from minigpt.model import GPT
+from minigpt.model import GPT, eval_mode
 from minigpt.posttrain.chat import Turn, answer_turn, fit_context, greedy_replies, prompt_ids
 from minigpt.posttrain.dpo import sequence_logprobs
 from minigpt.posttrain.tasks import Task, exact_match

@@ -40,9 +40,9 @@ from torch import Tensor, nn
 
 from minigpt.config import check_int, check_positive
 from minigpt.data import Batch
-from minigpt.decoding import eval_mode, generate_by_length
+from minigpt.decoding import generate_by_length
 from minigpt.losses import SINGLE, token_logprobs
-from minigpt.model import GPT
+from minigpt.model import GPT, eval_mode
 from minigpt.optim import Optimizer
 from minigpt.parallel import DistContext, mean_over_ranks
 from minigpt.posttrain.chat import prompt_ids

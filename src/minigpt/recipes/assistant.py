@@ -43,7 +43,7 @@ from minigpt.tokenizer import CHAT_TOKENS, CharTokenizer, with_special_tokens
 
 #: The package's modules that importing this one loads; their source is part of every
 #: assistant's cache key, as `pretrained.TRAINING_MODULES`' is of the base model's.
-ASSISTANT_MODULES = tuple(sorted({*pretrained.TRAINING_MODULES, "posttrain",
+ASSISTANT_MODULES = tuple(sorted({*pretrained.TRAINING_MODULES, "decoding", "posttrain",
                                   "posttrain.chat", "posttrain.dpo", "posttrain.sft",
                                   "posttrain.tasks", "recipes.assistant"}))
 #: The training seeds of the cached fine-tuned models.

@@ -35,8 +35,8 @@ import torch
 from torch import Tensor, nn
 
 from minigpt.data import split_text
-from minigpt.decoding import eval_mode, generate
-from minigpt.model import GPT
+from minigpt.decoding import generate
+from minigpt.model import GPT, eval_mode
 from minigpt.posttrain import chat
 from minigpt.recipes.assistant import MODELS
 from minigpt.recipes.pretrained import BOOK_RECIPE, corpus, threads

@@ -74,9 +74,9 @@ log = logging.getLogger(__name__)
 #: The package's modules that importing this one loads: the code that trains a model. Their
 #: source is part of the cache key (`source_sha256`), so a change to any of them rebuilds the
 #: models (tests/test_pretrained.py checks that the list is what importing this module loads).
-TRAINING_MODULES = ("__init__", "assets", "attention", "checkpoint", "config", "data",
-                    "decoding", "files", "losses", "model", "nn", "optim", "parallel",
-                    "products", "recipes", "recipes.pretrained", "tokenizer", "train")
+TRAINING_MODULES = ("__init__", "attention", "checkpoint", "config", "data", "files", "losses",
+                    "model", "nn", "optim", "parallel", "products", "recipes",
+                    "recipes.pretrained", "tokenizer", "train")
 #: The package's folder: `source_sha256` reads its modules there.
 PACKAGE = Path(__file__).resolve().parent.parent
 #: Optimiser steps of the modern book model.
