@@ -153,3 +153,29 @@ def test_the_pdf_is_printed_again_only_when_the_single_page_changes(
     key = make_pdf.print_key(built / "book.html")
     monkeypatch.delenv("MINIGPT_PRODUCTS")
     assert make_pdf.print_key(built / "book.html") != key
+
+
+def test_a_chapter_reads_the_modules_it_imports(tmp_path: Path) -> None:
+    # The package's files a chapter's key reads: what its code imports, the packages above,
+    # and what those import in turn (in a function too); not the modules it never loads.
+    package = tmp_path / "src" / "minigpt"
+    (package / "figures").mkdir(parents=True)
+    (package / "__init__.py").write_text("from minigpt import core\n", "utf-8")
+    (package / "core.py").write_text("def f():\n    from minigpt.kernel import g\n", "utf-8")
+    (package / "kernel.py").write_text("g = 1\n", "utf-8")
+    (package / "kernel.cpp").write_text("int g = 1;\n", "utf-8")
+    (package / "figures" / "__init__.py").write_text("", "utf-8")
+    (package / "figures" / "plot.py").write_text("import minigpt.core\n", "utf-8")
+    (package / "cli.py").write_text("import minigpt.figures.plot\n", "utf-8")
+    cells = ["%matplotlib inline\nfrom minigpt.figures import plot", "print(1)"]
+    assert [p.relative_to(package).as_posix() for p in kept.imported_files(cells, package)] == [
+        "__init__.py", "core.py", "figures/__init__.py", "figures/plot.py", "kernel.cpp",
+        "kernel.py"]
+    digest = kept.files_digest(tmp_path, kept.inputs(tmp_path, cells))
+    (package / "cli.py").write_text("import minigpt.core\n", "utf-8")
+    assert kept.files_digest(tmp_path, kept.inputs(tmp_path, cells)) == digest
+    (package / "kernel.cpp").write_text("int g = 2;\n", "utf-8")
+    assert kept.files_digest(tmp_path, kept.inputs(tmp_path, cells)) != digest
+    # Code that is not Python ast reads: every file of the package counts.
+    assert kept.imported_files(["x = (", "import minigpt"], package) is None
+    assert package / "cli.py" in kept.inputs(tmp_path, ["x = ("])

@@ -135,8 +135,9 @@ def runs(trained_model: Path) -> dict[str | None, dict[str, Any]]:
     """The tool's output natively and under each emulated CPU (kept or run), side by side."""
     _qemu()
     # The keys first, in this thread: Python 3.11's parser is not safe to run in two threads
-    # at once (kept.files_digest parses the package), and they are the same files anyway.
-    files = kept.files_digest()
+    # at once (kept.files_digest parses the package), and they are the same files anyway:
+    # the package's modules the tool imports (kept.imported_files), the book's data.
+    files = kept.files_digest(paths=kept.inputs(cells=[TOOL.read_text(encoding="utf-8")]))
     keys = {cpu: emulation_key(cpu, trained_model, _clean(), files) for cpu in CPUS}
     with ThreadPoolExecutor(len(CPUS)) as pool:
         futures = {cpu: pool.submit(_emulated, cpu, trained_model, keys[cpu]) for cpu in CPUS}

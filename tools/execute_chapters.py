@@ -108,7 +108,8 @@ def memo_key(nb: Any, settings: dict[str, Any], files: str,
              environ: dict[str, str] | None = None) -> str:
     """The key an execution of the chapter ``nb`` (as `read_chapter` gives it) is kept under
     (`kept.key`): its code cells and kernel, the execution settings, the files its execution
-    reads (``files``, from `kept.files_digest`), whether the kernel journals its census, and
+    reads (``files``, `kept.files_digest` of `kept.inputs` of its code: the package's
+    modules it imports and the book's data), whether the kernel journals its census, and
     the settings every key reads, with the hash seed every chapter runs under."""
     environ = {**(os.environ if environ is None else environ),
                "PYTHONHASHSEED": baseline.HASH_SEED}
@@ -199,12 +200,13 @@ def run(chapters: list[Path], settings: dict[str, Any], jobs: int = 2, fresh: bo
 
     failed: list[str] = []
     start = time.perf_counter()
-    files = kept.files_digest(root)
     keys: dict[Path, str] = {}
     waiting: list[Path] = []
     for chapter in longest_first(chapters):
-        keys[chapter] = memo_key(read_chapter(chapter, settings["extensions"]), settings,
-                                 files)
+        nb = read_chapter(chapter, settings["extensions"])
+        # The package's files the chapter imports (kept.imported_files), the book's data.
+        cells = [c.source for c in nb.cells if c.cell_type == "code"]
+        keys[chapter] = memo_key(nb, settings, kept.files_digest(root, kept.inputs(root, cells)))
         record = None if fresh else kept.recall("chapters", chapter.stem, keys[chapter])
         if record is None:
             waiting.append(chapter)

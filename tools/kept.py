@@ -6,7 +6,8 @@ as the cached models are retrained whenever the code that trains them has; other
 kept one is used. An empty cache (`make reproduce`) keeps nothing.
 
 A key is the sha256 of the parts its maker names, always with `setting_parts`: the files the
-package's runs read (`files_digest`: the package's Python and C++ by their code alone, as
+package's runs read (`files_digest`: the package's Python and C++, for a chapter or the
+emulated proof only the modules its code imports (`imported_files`), by their code alone, as
 `minigpt.recipes.pretrained.code_text` reads them for the models' keys, so a comment or a docstring
 changes no key; every other file byte for byte), the installed distributions, Python, the
 machine, and the environment variables that steer what the kernels compute.
@@ -14,6 +15,7 @@ machine, and the environment variables that steer what the kernels compute.
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib.metadata
 import json
@@ -41,15 +43,66 @@ FIXED_INPUTS = ("pyproject.toml", "requirements.txt", "tests/notebooks/models.js
                 "tools/kept.py", "tools/baseline.py")
 
 
-def inputs(root: Path = ROOT) -> list[Path]:
-    """The files `files_digest` reads: the package, the book's data (every file under book/
-    but its pages) and `FIXED_INPUTS`."""
-    package = [p for p in (root / "src").rglob("*") if p.is_file()
-               and "__pycache__" not in p.parts and not p.parent.name.endswith(".egg-info")
-               and p.suffix not in {".pyc", ".so"}]
+def inputs(root: Path = ROOT, cells: Sequence[str] | None = None) -> list[Path]:
+    """The files `files_digest` reads: the package (with ``cells``, the code a chapter
+    executes, only the modules it imports: `imported_files`), the book's data (every file
+    under book/ but its pages) and `FIXED_INPUTS`."""
+    package = imported_files(cells, root / "src" / "minigpt") if cells is not None else None
+    if package is None:
+        package = [p for p in (root / "src").rglob("*") if p.is_file()
+                   and "__pycache__" not in p.parts and not p.parent.name.endswith(".egg-info")
+                   and p.suffix not in {".pyc", ".so"}]
     data = [p for p in (root / "book").rglob("*") if p.is_file() and p.suffix != ".md"]
     fixed = [root / name for name in FIXED_INPUTS]
     return sorted(package + data + [p for p in fixed if p.exists()])
+
+
+def imported_files(cells: Sequence[str], package: Path) -> list[Path] | None:
+    """The files of the package (its folder ``package``) that running the code ``cells``
+    can load: each module the code imports, the packages above it, and what each of those
+    imports in turn, wherever in its file the import stands (in a function too); a module's
+    C++ (as ``products.cpp``) with its Python. None if a cell is not Python that `ast` reads
+    (once its IPython magics, lines that begin with ``%`` or ``!``, are set aside): then
+    every file counts. A cell that runs ``python -m minigpt`` only when minigpt is not
+    installed (the chapters' first) runs nothing of it where the key is taken."""
+    def files(name: str) -> list[Path]:
+        module = package.joinpath(*name.split(".")) if name else package
+        python = module / "__init__.py" if module.is_dir() else module.with_suffix(".py")
+        return [p for p in (python, module.with_suffix(".cpp")) if p.is_file()]
+
+    def imports(source: str) -> set[str]:
+        names: set[str] = set()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and (
+                    node.module == "minigpt" or node.module.startswith("minigpt.")):
+                base = node.module.removeprefix("minigpt").removeprefix(".")
+                names.add(base)  # and each name that is a module of it
+                names.update(f"{base}.{a.name}".lstrip(".") for a in node.names
+                             if files(f"{base}.{a.name}".lstrip(".")))
+            elif isinstance(node, ast.Import):
+                names.update(a.name.removeprefix("minigpt").removeprefix(".")
+                             for a in node.names if a.name.split(".")[0] == "minigpt")
+        return {".".join(n.split(".")[:i]) for n in names for i in range(n.count(".") + 2)
+                if n or i == 0} | {""}  # a module's packages run first, minigpt's too
+
+    seen: set[str] = set()
+    todo: set[str] = set()
+    for cell in cells:
+        python = "\n".join("" if line.lstrip().startswith(("%", "!")) else line
+                           for line in cell.splitlines())
+        try:
+            todo |= imports(python)
+        except SyntaxError:
+            return None
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for path in files(name):
+            if path.suffix == ".py":
+                todo |= imports(path.read_text(encoding="utf-8")) - seen
+    return sorted({path for name in seen for path in files(name)})
 
 
 def files_digest(root: Path = ROOT, paths: Sequence[Path] | None = None) -> str:
