@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import subprocess
 import sys
 
@@ -192,4 +191,111 @@ def test_importing_minigpt_prints_nothing() -> None:
     done = subprocess.run([sys.executable, "-c", "import minigpt"], capture_output=True,
                           text=True, check=True)
     assert done.stdout == done.stderr == ""
-    assert platform.machine() == "x86_64"
+
+
+# ------------------------------------------------- every road to a product: the same order
+
+def _roads() -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """Each road to a product PyTorch has, beside the plain product it must equal bit for
+    bit: out=, in place, matmul(out=), addbmm (PyTorch's CPU kernel adds each batch with
+    addmm_), the float32 result of bfloat16 operands, addmm fused with its activation."""
+    a, b = _random(2, 256), _random(256, 96, seed=1)  # thin: the package's own sums
+    x, y = _random(6, 256, seed=2), _random(256, 96, seed=3)  # MKL's blocks
+    bias, batch1, batch2 = _random(6, 96, seed=4), _random(3, 6, 256), _random(3, 256, 96)
+    v, c = _random(256, seed=5), _random(6, seed=6)
+    o: dict[str, torch.Tensor] = {}
+
+    def out(name: str, *shape: int) -> torch.Tensor:
+        o[name] = torch.empty(shape)
+        return o[name]
+
+    torch.mm(a, b, out=out("mm thin", 2, 96))
+    torch.mm(x, y, out=out("mm", 6, 96))
+    torch.bmm(batch1, batch2, out=out("bmm", 3, 6, 96))
+    torch.addmm(bias, x, y, beta=0.5, alpha=2.0, out=out("addmm", 6, 96))
+    torch.baddbmm(bias, batch1, batch2, out=out("baddbmm", 3, 6, 96))
+    torch.mv(x, v, out=out("mv", 6))
+    torch.addmv(c, x, v, out=out("addmv", 6))
+    torch.dot(v, v, out=out("dot"))
+    torch.matmul(x, y, out=out("matmul", 6, 96))
+    addbmm = bias.clone()
+    for i in range(3):
+        addbmm = torch.addmm(addbmm, batch1[i], batch2[i])
+    wide = (x.bfloat16().float(), y.bfloat16().float())
+    return [
+        ("mm(out=) thin", o["mm thin"], a @ b), ("mm(out=)", o["mm"], x @ y),
+        ("bmm(out=)", o["bmm"], torch.bmm(batch1, batch2)),
+        ("addmm(out=)", o["addmm"], torch.addmm(bias, x, y, beta=0.5, alpha=2.0)),
+        ("addmm_", bias.clone().addmm_(x, y, alpha=2.0), torch.addmm(bias, x, y, alpha=2.0)),
+        ("baddbmm(out=)", o["baddbmm"], torch.baddbmm(bias, batch1, batch2)),
+        ("baddbmm_", bias.expand(3, 6, 96).clone().baddbmm_(batch1, batch2),
+         torch.baddbmm(bias, batch1, batch2)),
+        ("mv(out=)", o["mv"], torch.mv(x, v)), ("addmv(out=)", o["addmv"], torch.addmv(c, x, v)),
+        ("addmv_", c.clone().addmv_(x, v), torch.addmv(c, x, v)),
+        ("dot(out=)", o["dot"], torch.dot(v, v)), ("matmul(out=)", o["matmul"], x @ y),
+        ("addbmm", torch.addbmm(bias, batch1, batch2), addbmm),
+        ("addbmm_", bias.clone().addbmm_(batch1, batch2), addbmm),
+        ("mm(out_dtype=float32) of bfloat16",
+         torch.ops.aten.mm.dtype(x.bfloat16(), y.bfloat16(), torch.float32), wide[0] @ wide[1]),
+        ("_addmm_activation", torch.ops.aten._addmm_activation(bias, x, y, use_gelu=True),
+         F.gelu(torch.addmm(bias, x, y), approximate="tanh")),
+    ]
+
+
+@pytest.mark.parametrize("index", range(16))
+def test_every_road_to_a_product_takes_the_packages_order(index: int) -> None:
+    name, got, plain = _roads()[index]
+    assert got.dtype == plain.dtype and torch.equal(got, plain), name
+
+
+def test_every_road_is_in_the_census() -> None:
+    # A road records the product it computes, as the plain product does: the census sees
+    # compiled code's products and matmul(out=)'s.
+    x, y, bias = _random(6, 256, seed=2), _random(256, 96, seed=3), _random(6, 96, seed=4)
+    with products.census() as plain:
+        torch.addmm(bias, x, y)
+    with products.census() as road:
+        torch.mm(x, y, out=torch.empty(6, 96))
+        bias.clone().addmm_(x, y)
+    assert len(plain) == 1 and plain[0] in road and len(road) == 2
+    with products.census() as every:
+        _roads()
+    assert {("mm", (2, 256), (256, 96)), ("mm", (6, 256), (256, 96)),  # mm, addmm, matmul
+            ("bmm", (3, 6, 256), (3, 256, 96)), ("mm", (6, 256), (256, 1)),  # bmm; mv, addmv
+            ("mm", (1, 256), (256, 1))} <= {(e[0], tuple(e[1]), tuple(e[3])) for e in every}
+
+
+def test_a_bfloat16_product_is_the_float32_product_rounded_once() -> None:
+    # bf16 autocast (TrainConfig.bf16): the operands widen exactly, the product is summed in
+    # the package's float32 order and rounded once, the same bits on every CPU.
+    x, y = _random(6, 256, seed=2), _random(256, 96, seed=3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = x @ y
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, (x.bfloat16().float() @ y.bfloat16().float()).bfloat16())
+
+
+def test_a_complex_product_is_refused() -> None:
+    z = torch.complex(_random(6, 20), _random(6, 20, seed=1))
+    with pytest.raises(RuntimeError, match="sum real numbers in one order on every CPU; a "
+                       "complex product would take PyTorch's own kernel.*MINIGPT_PRODUCTS="
+                       "native"):
+        z @ z.T
+
+
+def test_a_compiled_function_computes_the_packages_products() -> None:
+    """torch.compile on a CPU: Inductor hands its matrix products to PyTorch's out= kernels,
+    which are the package's, so a compiled forward and backward's products are in the census
+    and its gradient is the eager one's, bit for bit."""
+    linear = torch.nn.Linear(256, 96)
+    x = _random(8, 256).requires_grad_()
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return (linear(x).relu() @ linear.weight).sum()
+
+    with products.census() as recorded:
+        torch.compile(f)(x).backward()
+    compiled, x.grad = x.grad, None
+    f(x).backward()
+    assert len(recorded) >= 4
+    assert torch.equal(compiled, x.grad)

@@ -1,7 +1,8 @@
 // The package's matrix products on the CPU: the same bits on every x86-64 CPU, Intel or AMD.
 // minigpt/products.py says why and how; this file registers the kernels it describes:
 // - a product of at least MIN_ROWS rows and MIN_COLS columns (float32) goes to MKL
-//   (PyTorch's `mm.out` / `bmm.out`) in blocks of at most BLOCK along its inner dimension,
+//   (PyTorch's own CPU kernels of `mm.out` / `bmm.out`, called directly, past the dispatcher that
+//   leads to these) in blocks of at most BLOCK along its inner dimension,
 //   added left to right into C, the bias (if any) after the first block: the order of MKL's
 //   own AVX2 kernels, which MKL keeps on every maker's CPU for such blocks;
 // - a thinner product, and every float64 one, is summed here, by `thin`, in an order of its
@@ -9,6 +10,12 @@
 //   multiply-adds (-ffp-contract=off): the same IEEE operations on every x86-64 CPU.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/Resize.h>
+#include <ATen/ops/addmm_cpu_dispatch.h>
+#include <ATen/ops/addmv_cpu_dispatch.h>
+#include <ATen/ops/baddbmm_cpu_dispatch.h>
+#include <ATen/ops/bmm_cpu_dispatch.h>
+#include <ATen/ops/mm_cpu_dispatch.h>
 #include <unistd.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -156,11 +163,25 @@ at::Tensor product(bool batched, const at::Tensor& a, const at::Tensor& b,
                         (a.scalar_type() == at::kFloat || a.scalar_type() == at::kDouble);
   auto mkl = [batched](at::Tensor& out, const at::Tensor& x, const at::Tensor& y) {
     if (batched) {
-      at::bmm_out(out, x, y);
+      at::cpu::bmm_out(out, x, y);
     } else {
-      at::mm_out(out, x, y);
+      at::cpu::mm_out(out, x, y);
     }
   };
+  const bool same = a.scalar_type() == b.scalar_type() &&
+                    (!bias.has_value() || bias->scalar_type() == a.scalar_type());
+  TORCH_CHECK(!a.is_complex() && !b.is_complex(),
+              "minigpt's matrix products sum real numbers in one order on every CPU; a complex "
+              "product would take PyTorch's own kernel, in another order. Set "
+              "MINIGPT_PRODUCTS=native before importing minigpt to use PyTorch's own products.");
+  if (fits && same && a.is_floating_point() && !floating) {
+    // bfloat16 or float16 (bf16 autocast): the operands widened to float32 (exactly), the
+    // float32 product in the package's order, rounded once to the operands' type.
+    std::optional<at::Tensor> wide_bias;
+    if (bias.has_value()) wide_bias = bias->to(at::kFloat);
+    return product(batched, a.to(at::kFloat), b.to(at::kFloat), wide_bias, beta, alpha)
+        .to(a.scalar_type());
+  }
   if (!fits || !floating || a.numel() == 0 || b.numel() == 0) {
     // No sums to order (or not a product: PyTorch's own kernel and its own error).
     auto shape = a.sizes().vec();
@@ -168,9 +189,9 @@ at::Tensor product(bool batched, const at::Tensor& a, const at::Tensor& b,
     auto out = at::empty(fits ? at::IntArrayRef(shape) : at::IntArrayRef({0}), a.options());
     if (bias.has_value()) {
       if (batched) {
-        at::baddbmm_out(out, *bias, a, b, beta, alpha);
+        at::cpu::baddbmm_out(out, *bias, a, b, beta, alpha);
       } else {
-        at::addmm_out(out, *bias, a, b, beta, alpha);
+        at::cpu::addmm_out(out, *bias, a, b, beta, alpha);
       }
     } else {
       mkl(out, a, b);
@@ -229,7 +250,7 @@ at::Tensor baddbmm_kernel(const at::Tensor& bias, const at::Tensor& a, const at:
 at::Tensor mv_kernel(const at::Tensor& a, const at::Tensor& x) {
   if (a.dim() != 2 || x.dim() != 1) {  // not a matrix and a vector: PyTorch's own error
     auto out = at::empty({0}, a.options());
-    return at::mv_out(out, a, x);
+    return at::cpu::addmv_out(out, at::empty({0}, a.options()), a, x, 0, 1);
   }
   return mm_kernel(a, x.unsqueeze(1)).squeeze(1);
 }
@@ -238,7 +259,7 @@ at::Tensor addmv_kernel(const at::Tensor& bias, const at::Tensor& a, const at::T
                  const at::Scalar& beta, const at::Scalar& alpha) {
   if (a.dim() != 2 || x.dim() != 1 || bias.dim() > 1) {  // PyTorch's own error, if any
     auto out = at::empty({0}, a.options());
-    return at::addmv_out(out, bias, a, x, beta, alpha);
+    return at::cpu::addmv_out(out, bias, a, x, beta, alpha);
   }
   return product(false, a, x.unsqueeze(1), bias.unsqueeze(-1), beta, alpha).squeeze(1);
 }
@@ -250,6 +271,129 @@ at::Tensor dot_kernel(const at::Tensor& x, const at::Tensor& y) {
               x.numel(), "] and src [", y.numel(), "] to have the same number of elements, "
               "but got ", x.numel(), " and ", y.numel(), " elements respectively");
   return mm_kernel(x.unsqueeze(0), y.unsqueeze(1)).reshape({});
+}
+
+// The other roads to the same products: out= (what torch.compile's extern kernels and
+// matmul(out=) call), in place (addmm_, baddbmm_, addmv_, and addbmm, which PyTorch's CPU
+// kernel computes with addmm_), the float32 result of a narrower product (the .dtype
+// overloads), and addmm fused with its activation: each computed by the kernels above, then
+// written where it is asked for.
+at::Tensor& written(at::Tensor& out, const at::Tensor& result) {
+  TORCH_CHECK(out.scalar_type() == result.scalar_type(), "Expected out tensor to have dtype ",
+              result.scalar_type(), ", but got ", out.scalar_type(), " instead");
+  at::native::resize_output(out, result.sizes());
+  out.copy_(result);
+  return out;
+}
+
+at::Tensor& in_place(at::Tensor& self, const at::Tensor& result) {
+  TORCH_CHECK(self.sizes() == result.sizes(), "the product's result of size ",
+              result.sizes(), " cannot be written in place into a tensor of size ",
+              self.sizes());
+  self.copy_(result);
+  return self;
+}
+
+at::Tensor& mm_out(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) {
+  return written(out, mm_kernel(a, b));
+}
+
+at::Tensor& bmm_out(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) {
+  return written(out, bmm_kernel(a, b));
+}
+
+at::Tensor& addmm_out(const at::Tensor& bias, const at::Tensor& a, const at::Tensor& b,
+                      const at::Scalar& beta, const at::Scalar& alpha, at::Tensor& out) {
+  return written(out, addmm_kernel(bias, a, b, beta, alpha));
+}
+
+at::Tensor& addmm_in_place(at::Tensor& self, const at::Tensor& a, const at::Tensor& b,
+                           const at::Scalar& beta, const at::Scalar& alpha) {
+  return in_place(self, addmm_kernel(self, a, b, beta, alpha));
+}
+
+at::Tensor& baddbmm_out(const at::Tensor& bias, const at::Tensor& a, const at::Tensor& b,
+                        const at::Scalar& beta, const at::Scalar& alpha, at::Tensor& out) {
+  return written(out, baddbmm_kernel(bias, a, b, beta, alpha));
+}
+
+at::Tensor& baddbmm_in_place(at::Tensor& self, const at::Tensor& a, const at::Tensor& b,
+                             const at::Scalar& beta, const at::Scalar& alpha) {
+  return in_place(self, baddbmm_kernel(self, a, b, beta, alpha));
+}
+
+at::Tensor& mv_out(const at::Tensor& a, const at::Tensor& x, at::Tensor& out) {
+  return written(out, mv_kernel(a, x));
+}
+
+at::Tensor& addmv_out(const at::Tensor& bias, const at::Tensor& a, const at::Tensor& x,
+                      const at::Scalar& beta, const at::Scalar& alpha, at::Tensor& out) {
+  return written(out, addmv_kernel(bias, a, x, beta, alpha));
+}
+
+at::Tensor& addmv_in_place(at::Tensor& self, const at::Tensor& a, const at::Tensor& x,
+                           const at::Scalar& beta, const at::Scalar& alpha) {
+  return in_place(self, addmv_kernel(self, a, x, beta, alpha));
+}
+
+at::Tensor& dot_out(const at::Tensor& x, const at::Tensor& y, at::Tensor& out) {
+  return written(out, dot_kernel(x, y));
+}
+
+// A product of ``a``'s type whose result is ``out_dtype`` (float32 from bfloat16 operands):
+// computed in float32 (or float64) in the package's order, then given that type.
+at::Tensor widened(const at::Tensor& a, at::ScalarType out_dtype) {
+  return a.scalar_type() == out_dtype ? a : a.to(out_dtype);
+}
+
+at::Tensor mm_dtype(const at::Tensor& a, const at::Tensor& b, at::ScalarType out_dtype) {
+  return mm_kernel(widened(a, out_dtype), widened(b, out_dtype));
+}
+
+at::Tensor bmm_dtype(const at::Tensor& a, const at::Tensor& b, at::ScalarType out_dtype) {
+  return bmm_kernel(widened(a, out_dtype), widened(b, out_dtype));
+}
+
+at::Tensor addmm_dtype(const at::Tensor& bias, const at::Tensor& a, const at::Tensor& b,
+                       at::ScalarType out_dtype, const at::Scalar& beta,
+                       const at::Scalar& alpha) {
+  return addmm_kernel(widened(bias, out_dtype), widened(a, out_dtype), widened(b, out_dtype),
+                      beta, alpha);
+}
+
+at::Tensor baddbmm_dtype(const at::Tensor& bias, const at::Tensor& a, const at::Tensor& b,
+                         at::ScalarType out_dtype, const at::Scalar& beta,
+                         const at::Scalar& alpha) {
+  return baddbmm_kernel(widened(bias, out_dtype), widened(a, out_dtype),
+                        widened(b, out_dtype), beta, alpha);
+}
+
+at::Tensor& mm_dtype_out(const at::Tensor& a, const at::Tensor& b, at::ScalarType out_dtype,
+                         at::Tensor& out) {
+  return written(out, mm_dtype(a, b, out_dtype));
+}
+
+at::Tensor& bmm_dtype_out(const at::Tensor& a, const at::Tensor& b, at::ScalarType out_dtype,
+                          at::Tensor& out) {
+  return written(out, bmm_dtype(a, b, out_dtype));
+}
+
+at::Tensor& addmm_dtype_out(const at::Tensor& bias, const at::Tensor& a, const at::Tensor& b,
+                            at::ScalarType out_dtype, const at::Scalar& beta,
+                            const at::Scalar& alpha, at::Tensor& out) {
+  return written(out, addmm_dtype(bias, a, b, out_dtype, beta, alpha));
+}
+
+at::Tensor& baddbmm_dtype_out(const at::Tensor& bias, const at::Tensor& a, const at::Tensor& b,
+                              at::ScalarType out_dtype, const at::Scalar& beta,
+                              const at::Scalar& alpha, at::Tensor& out) {
+  return written(out, baddbmm_dtype(bias, a, b, out_dtype, beta, alpha));
+}
+
+at::Tensor addmm_activation(const at::Tensor& bias, const at::Tensor& a, const at::Tensor& b,
+                            const at::Scalar& beta, const at::Scalar& alpha, bool use_gelu) {
+  auto out = addmm_kernel(bias, a, b, beta, alpha);
+  return use_gelu ? at::gelu(out, "tanh") : at::relu(out);
 }
 
 int64_t census_open() {
@@ -268,7 +412,8 @@ std::vector<std::string> census_close(int64_t id) {
 }
 
 
-// Registers the kernels above as PyTorch's CPU kernels of the seven operators, once: called
+// Registers the kernels above as PyTorch's CPU kernels of the matrix-product operators (each
+// overload: plain, out=, in place, .dtype), once: called
 // by minigpt.products.install, without PyTorch's warning that a kernel is replaced (meant).
 void install() {
   static std::once_flag once;
@@ -286,6 +431,25 @@ void install() {
     aten.impl("mv", mv_kernel);
     aten.impl("addmv", addmv_kernel);
     aten.impl("dot", dot_kernel);
+    aten.impl("mm.out", mm_out);
+    aten.impl("bmm.out", bmm_out);
+    aten.impl("addmm.out", addmm_out);
+    aten.impl("addmm_", addmm_in_place);
+    aten.impl("baddbmm.out", baddbmm_out);
+    aten.impl("baddbmm_", baddbmm_in_place);
+    aten.impl("mv.out", mv_out);
+    aten.impl("addmv.out", addmv_out);
+    aten.impl("addmv_", addmv_in_place);
+    aten.impl("dot.out", dot_out);
+    aten.impl("mm.dtype", mm_dtype);
+    aten.impl("bmm.dtype", bmm_dtype);
+    aten.impl("addmm.dtype", addmm_dtype);
+    aten.impl("baddbmm.dtype", baddbmm_dtype);
+    aten.impl("mm.dtype_out", mm_dtype_out);
+    aten.impl("bmm.dtype_out", bmm_dtype_out);
+    aten.impl("addmm.dtype_out", addmm_dtype_out);
+    aten.impl("baddbmm.dtype_out", baddbmm_dtype_out);
+    aten.impl("_addmm_activation", addmm_activation);
   });
 }
 
