@@ -1,0 +1,481 @@
+// minigpt/gemm.h: a matrix product C = alpha * A B + beta * bias whose every entry has the
+// same bits on every CPU, whatever its vector width, its thread count or the shape of the
+// product around the entry. Plain C++17, header-only, no torch headers.
+//
+// The order. Every entry is one chain, the same in every path:
+//
+//   acc = +0.0
+//   for p = 0 .. K-1, in order:  acc = fma(A[i,p], B[p,j], acc)    one rounding per step
+//   if alpha != 1:               acc = acc * alpha
+//   if a bias is given and beta != 0:
+//                                acc = acc + (beta == 1 ? bias[i,j] : beta * bias[i,j])
+//
+// An IEEE fma rounds once, on every CPU that has one (x86-64 with FMA, every aarch64), so the
+// chain's result is fixed by its inputs alone. The paths only lay the chains side by side:
+// a vector holds the chains of neighbouring columns (never neighbouring p), a register tile
+// holds rows x columns of them. So a 16-lane AVX-512 tile, an 8-lane AVX2 tile and the
+// portable scalar tile (std::fma) compute the same bits, and so does any split of C into
+// rectangles (threads split rows and columns, never p).
+//
+// Blocking over p (kc at a time, for the caches) continues the chain: the accumulator is
+// stored in C exactly (same type), reloaded and carried on in order; alpha and the bias come
+// after p = K-1 only. Beta == 0 ignores the bias, NaN included, as BLAS does.
+//
+// Build with -ffp-contract=off (and no -ffast-math): otherwise the compiler may fuse the
+// epilogue's `acc * alpha` or `beta * bias` with the addition that follows, one rounding
+// where the order has two (g++ does so on aarch64, where fma is a baseline instruction).
+//
+// Paths: `portable` (any CPU), and on x86-64 with GCC or Clang also `avx2` (AVX2 + FMA) and
+// `avx512` (AVX-512F). The x86 kernels carry __attribute__((target(...))), so one
+// translation unit built for baseline x86-64 holds all three; `best_path` picks by cpuid.
+#pragma once
+
+#ifdef __FAST_MATH__
+#error "minigpt/gemm.h needs IEEE arithmetic: build without -ffast-math"
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
+#define MINIGPT_GEMM_X86 1
+#include <immintrin.h>
+#else
+#define MINIGPT_GEMM_X86 0
+#endif
+
+namespace minigpt::gemm {
+
+enum class Path { automatic, portable, avx2, avx512 };
+
+inline const char* path_name(Path path) {
+  switch (path) {
+    case Path::portable: return "portable";
+    case Path::avx2: return "avx2";
+    case Path::avx512: return "avx512";
+    default: return "automatic";
+  }
+}
+
+// Whether this CPU (and this build) can run `path`.
+inline bool supported(Path path) {
+  switch (path) {
+    case Path::automatic:
+    case Path::portable: return true;
+#if MINIGPT_GEMM_X86
+    case Path::avx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case Path::avx512: return __builtin_cpu_supports("avx512f");
+#endif
+    default: return false;
+  }
+}
+
+// The widest path this CPU runs.
+inline Path best_path() {
+  if (supported(Path::avx512)) return Path::avx512;
+  if (supported(Path::avx2)) return Path::avx2;
+  return Path::portable;
+}
+
+// `automatic` becomes the best path; a path this CPU cannot run is an error.
+inline Path resolve(Path path) {
+  if (path == Path::automatic) return best_path();
+  if (!supported(path)) {
+    throw std::invalid_argument(std::string("minigpt gemm: this CPU cannot run the ") +
+                                path_name(path) + " path");
+  }
+  return path;
+}
+
+// A path by name: "avx512", "avx2", "portable", or "" / "auto" for automatic.
+inline Path parse_path(const std::string& name) {
+  if (name.empty() || name == "auto" || name == "automatic") return Path::automatic;
+  if (name == "portable") return Path::portable;
+  if (name == "avx2") return Path::avx2;
+  if (name == "avx512") return Path::avx512;
+  throw std::invalid_argument("minigpt gemm: unknown path '" + name +
+                              "' (use avx512, avx2 or portable)");
+}
+
+// The path forced by MINIGPT_GEMM_PATH=avx512|avx2|portable (tests), else automatic.
+inline Path path_from_env() {
+  const char* value = std::getenv("MINIGPT_GEMM_PATH");
+  return parse_path(value ? value : "");
+}
+
+// One product: A is (M, K), B is (K, N), each with a row and a column stride in elements
+// (any strides: transposed views, padding, 0 for a broadcast); C is (M, N) with row stride
+// ldc and column stride 1; the bias, if not null, is (M, N) with its own strides (a row
+// vector broadcast over rows is (0, 1)).
+template <typename T>
+struct Product {
+  int64_t M = 0, N = 0, K = 0;
+  const T* a = nullptr;
+  int64_t a_row = 0, a_col = 0;
+  const T* b = nullptr;
+  int64_t b_row = 0, b_col = 0;
+  T* c = nullptr;
+  int64_t ldc = 0;
+  const T* bias = nullptr;
+  int64_t bias_row = 0, bias_col = 0;
+  T alpha = 1, beta = 1;
+};
+
+// A rectangle of C: rows [r0, r1), columns [c0, c1).
+struct Rect {
+  int64_t r0 = 0, r1 = 0, c0 = 0, c1 = 0;
+};
+
+namespace detail {
+
+// Packed panels live in 64-byte aligned scratch memory, one allocation per call.
+template <typename T>
+struct Scratch {
+  T* data;
+  explicit Scratch(size_t count)
+      : data(static_cast<T*>(::operator new[](std::max<size_t>(count, 1) * sizeof(T),
+                                               std::align_val_t{64}))) {}
+  ~Scratch() { ::operator delete[](data, std::align_val_t{64}); }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+};
+
+// A's rows [0, mc) and p's [0, kc) (from `a`, already offset) into panels of MR rows: panel
+// q holds rows q*MR .. q*MR+MR-1, element (r, p) at [p*MR + r]; rows past mc are zeros.
+template <typename T>
+void pack_a(const T* a, int64_t a_row, int64_t a_col, int64_t mc, int64_t kc, int MR, T* out) {
+  for (int64_t i0 = 0; i0 < mc; i0 += MR) {
+    const int64_t rows = std::min<int64_t>(MR, mc - i0);
+    for (int64_t p = 0; p < kc; ++p) {
+      const T* src = a + i0 * a_row + p * a_col;
+      T* dst = out + p * MR;
+      for (int64_t r = 0; r < rows; ++r) dst[r] = src[r * a_row];
+      for (int64_t r = rows; r < MR; ++r) dst[r] = T(0);
+    }
+    out += kc * MR;
+  }
+}
+
+// B's p's [0, kc) and columns [0, nc) into panels of NR columns: element (p, c) of panel q
+// at [p*NR + c]; columns past nc are zeros.
+template <typename T>
+void pack_b(const T* b, int64_t b_row, int64_t b_col, int64_t kc, int64_t nc, int NR, T* out) {
+  for (int64_t j0 = 0; j0 < nc; j0 += NR) {
+    const int64_t cols = std::min<int64_t>(NR, nc - j0);
+    for (int64_t p = 0; p < kc; ++p) {
+      const T* src = b + p * b_row + j0 * b_col;
+      T* dst = out + p * NR;
+      if (b_col == 1) {
+        std::memcpy(dst, src, cols * sizeof(T));
+      } else {
+        for (int64_t c = 0; c < cols; ++c) dst[c] = src[c * b_col];
+      }
+      for (int64_t c = cols; c < NR; ++c) dst[c] = T(0);
+    }
+    out += kc * NR;
+  }
+}
+
+// The epilogue, on a finished tile of `rows` x `cols` entries at c: two roundings, never one
+// (hence -ffp-contract=off).
+template <typename T>
+void finish(const Product<T>& pr, int64_t i, int64_t j, T* c, int64_t rows, int64_t cols) {
+  const bool scale = pr.alpha != T(1);
+  const bool add = pr.bias != nullptr && pr.beta != T(0);
+  if (!scale && !add) return;
+  for (int64_t r = 0; r < rows; ++r) {
+    T* out = c + r * pr.ldc;
+    if (scale) {
+      for (int64_t q = 0; q < cols; ++q) out[q] = out[q] * pr.alpha;
+    }
+    if (add) {
+      const T* bias = pr.bias + (i + r) * pr.bias_row + j * pr.bias_col;
+      if (pr.beta == T(1)) {
+        for (int64_t q = 0; q < cols; ++q) out[q] = out[q] + bias[q * pr.bias_col];
+      } else {
+        for (int64_t q = 0; q < cols; ++q) {
+          const T term = pr.beta * bias[q * pr.bias_col];
+          out[q] = out[q] + term;
+        }
+      }
+    }
+  }
+}
+
+// A micro-kernel: the chains of an MR x NR tile carried on for kc steps, over an A panel
+// (a[p*MR + r]) and a B panel (b[p*NR + c]); the accumulators start at +0.0 if `first`,
+// else from c (the partial sums a previous block stored), and end in c.
+template <typename T>
+using Kernel = void (*)(int64_t kc, const T* a, const T* b, T* c, int64_t ldc, bool first);
+
+// A path's kernel and its blocking: MR x NR the register tile; KC the steps of p per block;
+// MC the rows of A packed at a time (a multiple of MR); NC the columns of B (of NR).
+template <typename T>
+struct Plan {
+  Kernel<T> kernel;
+  int MR, NR;
+  int64_t KC, MC, NC;
+};
+
+// ---- The portable path: plain C++, std::fma, a 4 x 4 tile of scalars. ----
+
+template <typename T>
+void kernel_portable(int64_t kc, const T* a, const T* b, T* c, int64_t ldc, bool first) {
+  constexpr int MR = 4, NR = 4;
+  T acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int q = 0; q < NR; ++q) acc[r][q] = first ? T(0) : c[r * ldc + q];
+  for (int64_t p = 0; p < kc; ++p) {
+    for (int r = 0; r < MR; ++r)
+      for (int q = 0; q < NR; ++q) acc[r][q] = std::fma(a[p * MR + r], b[p * NR + q], acc[r][q]);
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int q = 0; q < NR; ++q) c[r * ldc + q] = acc[r][q];
+}
+
+#if MINIGPT_GEMM_X86
+
+// ---- The AVX2 + FMA path: a tile of MR rows x NV vectors of 8 floats (4 doubles). ----
+// Each step broadcasts A[i,p] and fuses it with the row of B[p, j..] into the row's
+// accumulators: lane l of accumulator (r, v) is the chain of C[i+r, j+v*W+l].
+
+#define MINIGPT_AVX2 __attribute__((target("avx2,fma"), always_inline)) inline
+
+struct Avx2F {
+  using T = float;
+  using V = __m256;
+  static constexpr int W = 8;
+  static MINIGPT_AVX2 V zero() { return _mm256_setzero_ps(); }
+  static MINIGPT_AVX2 V load(const T* p) { return _mm256_loadu_ps(p); }
+  static MINIGPT_AVX2 void store(T* p, V v) { _mm256_storeu_ps(p, v); }
+  static MINIGPT_AVX2 V broadcast(const T* p) { return _mm256_broadcast_ss(p); }
+  static MINIGPT_AVX2 V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+};
+
+struct Avx2D {
+  using T = double;
+  using V = __m256d;
+  static constexpr int W = 4;
+  static MINIGPT_AVX2 V zero() { return _mm256_setzero_pd(); }
+  static MINIGPT_AVX2 V load(const T* p) { return _mm256_loadu_pd(p); }
+  static MINIGPT_AVX2 void store(T* p, V v) { _mm256_storeu_pd(p, v); }
+  static MINIGPT_AVX2 V broadcast(const T* p) { return _mm256_broadcast_sd(p); }
+  static MINIGPT_AVX2 V fma(V a, V b, V c) { return _mm256_fmadd_pd(a, b, c); }
+};
+
+template <typename S, int MR, int NV>
+__attribute__((target("avx2,fma"))) void kernel_avx2(int64_t kc, const typename S::T* a,
+                                                     const typename S::T* b, typename S::T* c,
+                                                     int64_t ldc, bool first) {
+  constexpr int NR = NV * S::W;
+  typename S::V acc[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = first ? S::zero() : S::load(c + r * ldc + v * S::W);
+  for (int64_t p = 0; p < kc; ++p) {
+    typename S::V row[NV];
+    for (int v = 0; v < NV; ++v) row[v] = S::load(b + p * NR + v * S::W);
+    for (int r = 0; r < MR; ++r) {
+      const typename S::V x = S::broadcast(a + p * MR + r);
+      for (int v = 0; v < NV; ++v) acc[r][v] = S::fma(x, row[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) S::store(c + r * ldc + v * S::W, acc[r][v]);
+}
+
+// ---- The AVX-512F path: the same tile with vectors of 16 floats (8 doubles). ----
+
+#define MINIGPT_AVX512 __attribute__((target("avx512f"), always_inline)) inline
+
+struct Avx512F {
+  using T = float;
+  using V = __m512;
+  static constexpr int W = 16;
+  static MINIGPT_AVX512 V zero() { return _mm512_setzero_ps(); }
+  static MINIGPT_AVX512 V load(const T* p) { return _mm512_loadu_ps(p); }
+  static MINIGPT_AVX512 void store(T* p, V v) { _mm512_storeu_ps(p, v); }
+  static MINIGPT_AVX512 V broadcast(const T* p) { return _mm512_set1_ps(*p); }
+  static MINIGPT_AVX512 V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+};
+
+struct Avx512D {
+  using T = double;
+  using V = __m512d;
+  static constexpr int W = 8;
+  static MINIGPT_AVX512 V zero() { return _mm512_setzero_pd(); }
+  static MINIGPT_AVX512 V load(const T* p) { return _mm512_loadu_pd(p); }
+  static MINIGPT_AVX512 void store(T* p, V v) { _mm512_storeu_pd(p, v); }
+  static MINIGPT_AVX512 V broadcast(const T* p) { return _mm512_set1_pd(*p); }
+  static MINIGPT_AVX512 V fma(V a, V b, V c) { return _mm512_fmadd_pd(a, b, c); }
+};
+
+template <typename S, int MR, int NV>
+__attribute__((target("avx512f"))) void kernel_avx512(int64_t kc, const typename S::T* a,
+                                                      const typename S::T* b, typename S::T* c,
+                                                      int64_t ldc, bool first) {
+  constexpr int NR = NV * S::W;
+  typename S::V acc[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = first ? S::zero() : S::load(c + r * ldc + v * S::W);
+  for (int64_t p = 0; p < kc; ++p) {
+    typename S::V row[NV];
+    for (int v = 0; v < NV; ++v) row[v] = S::load(b + p * NR + v * S::W);
+    for (int r = 0; r < MR; ++r) {
+      const typename S::V x = S::broadcast(a + p * MR + r);
+      for (int v = 0; v < NV; ++v) acc[r][v] = S::fma(x, row[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) S::store(c + r * ldc + v * S::W, acc[r][v]);
+}
+
+#undef MINIGPT_AVX2
+#undef MINIGPT_AVX512
+
+#endif  // MINIGPT_GEMM_X86
+
+// Each path's tile and blocks. The tile fills the vector registers (AVX2: 12 accumulators
+// of 16, AVX-512: 24 of 32); KC steps of a B panel stay in L1, MC x KC of A in L2.
+inline Plan<float> plan_float(Path path) {
+  switch (path) {
+#if MINIGPT_GEMM_X86
+    case Path::avx2: return {kernel_avx2<Avx2F, 6, 2>, 6, 16, 256, 72, 1024};
+    case Path::avx512: return {kernel_avx512<Avx512F, 12, 2>, 12, 32, 256, 96, 1024};
+#endif
+    default: return {kernel_portable<float>, 4, 4, 256, 64, 1024};
+  }
+}
+
+inline Plan<double> plan_double(Path path) {
+  switch (path) {
+#if MINIGPT_GEMM_X86
+    case Path::avx2: return {kernel_avx2<Avx2D, 6, 2>, 6, 8, 256, 72, 1024};
+    case Path::avx512: return {kernel_avx512<Avx512D, 12, 2>, 12, 16, 256, 96, 1024};
+#endif
+    default: return {kernel_portable<double>, 4, 4, 256, 64, 1024};
+  }
+}
+
+inline Plan<float> plan(Path path, float) { return plan_float(path); }
+inline Plan<double> plan(Path path, double) { return plan_double(path); }
+
+// The whole product `pr` (already cut to a rectangle) with one plan.
+template <typename T>
+void run(const Product<T>& pr, const Plan<T>& plan) {
+  const int64_t M = pr.M, N = pr.N, K = pr.K;
+  if (M <= 0 || N <= 0) return;
+  if (K <= 0) {  // no steps: every chain is +0.0, then the epilogue
+    for (int64_t i = 0; i < M; ++i) std::fill(pr.c + i * pr.ldc, pr.c + i * pr.ldc + N, T(0));
+    finish(pr, 0, 0, pr.c, M, N);
+    return;
+  }
+  const int MR = plan.MR, NR = plan.NR;
+  const int64_t kc_max = std::min(plan.KC, K);
+  const int64_t mc_max = std::min<int64_t>(plan.MC, (M + MR - 1) / MR * MR);
+  const int64_t nc_max = std::min<int64_t>(plan.NC, (N + NR - 1) / NR * NR);
+  Scratch<T> a_panels(mc_max * kc_max);
+  Scratch<T> b_panels(kc_max * nc_max);
+  alignas(64) T edge[16 * 64];  // an edge tile's chains (MR * NR <= 16 * 64)
+
+  for (int64_t jc = 0; jc < N; jc += plan.NC) {
+    const int64_t nc = std::min(plan.NC, N - jc);
+    for (int64_t pc = 0; pc < K; pc += plan.KC) {
+      const int64_t kc = std::min(plan.KC, K - pc);
+      const bool first = pc == 0, last = pc + kc == K;
+      pack_b(pr.b + pc * pr.b_row + jc * pr.b_col, pr.b_row, pr.b_col, kc, nc, NR, b_panels.data);
+      for (int64_t ic = 0; ic < M; ic += plan.MC) {
+        const int64_t mc = std::min(plan.MC, M - ic);
+        pack_a(pr.a + ic * pr.a_row + pc * pr.a_col, pr.a_row, pr.a_col, mc, kc, MR,
+               a_panels.data);
+        for (int64_t jr = 0; jr < nc; jr += NR) {
+          const int64_t cols = std::min<int64_t>(NR, nc - jr);
+          const T* b = b_panels.data + jr * kc;
+          for (int64_t ir = 0; ir < mc; ir += MR) {
+            const int64_t rows = std::min<int64_t>(MR, mc - ir);
+            const T* a = a_panels.data + ir * kc;
+            const int64_t i = ic + ir, j = jc + jr;
+            T* c = pr.c + i * pr.ldc + j;
+            if (rows == MR && cols == NR) {
+              plan.kernel(kc, a, b, c, pr.ldc, first);
+            } else {
+              // An edge tile: the same chains, in a full tile whose rows and columns past
+              // the edge are zeros and are never stored.
+              if (!first) {
+                for (int64_t r = 0; r < rows; ++r)
+                  std::memcpy(edge + r * NR, c + r * pr.ldc, cols * sizeof(T));
+              }
+              plan.kernel(kc, a, b, edge, NR, first);
+              for (int64_t r = 0; r < rows; ++r)
+                std::memcpy(c + r * pr.ldc, edge + r * NR, cols * sizeof(T));
+            }
+            if (last) finish(pr, i, j, c, rows, cols);
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace detail
+
+// The entries of C in `rect` (rows r0..r1-1, columns c0..c1-1) of the product `pr`, by
+// `path` (automatic: the best this CPU runs). Each entry is its own chain, so any rectangles
+// that cover C, computed in any order or on any threads, write the same bits as one call.
+// Spawns no threads. Throws std::invalid_argument for a path this CPU cannot run.
+template <typename T>
+void compute(const Product<T>& pr, Rect rect, Path path = Path::automatic) {
+  static_assert(std::is_same<T, float>::value || std::is_same<T, double>::value,
+                "minigpt gemm: float32 or float64");
+  const Path chosen = resolve(path);
+  rect.r0 = std::max<int64_t>(rect.r0, 0);
+  rect.c0 = std::max<int64_t>(rect.c0, 0);
+  rect.r1 = std::min(rect.r1, pr.M);
+  rect.c1 = std::min(rect.c1, pr.N);
+  if (rect.r1 <= rect.r0 || rect.c1 <= rect.c0) return;
+  Product<T> part = pr;
+  part.M = rect.r1 - rect.r0;
+  part.N = rect.c1 - rect.c0;
+  part.a = pr.a + rect.r0 * pr.a_row;
+  part.b = pr.b + rect.c0 * pr.b_col;
+  part.c = pr.c + rect.r0 * pr.ldc + rect.c0;
+  if (pr.bias) part.bias = pr.bias + rect.r0 * pr.bias_row + rect.c0 * pr.bias_col;
+  detail::run(part, detail::plan(chosen, T()));
+}
+
+// The whole of C.
+template <typename T>
+void compute(const Product<T>& pr, Path path = Path::automatic) {
+  compute(pr, Rect{0, pr.M, 0, pr.N}, path);
+}
+
+// C (M x N) cut into at most `parts` rectangles of nearly equal size for as many threads:
+// bands of rows if there are enough rows (edges at multiples of 48, which every path's tile
+// height divides), else bands of columns (at multiples of 32). Every entry in exactly one.
+inline std::vector<Rect> split(int64_t M, int64_t N, int parts) {
+  std::vector<Rect> rects;
+  if (M <= 0 || N <= 0) return rects;
+  parts = std::max(parts, 1);
+  const bool by_rows = M >= 48 * int64_t(parts) || M * 4 >= N;
+  const int64_t length = by_rows ? M : N, unit = by_rows ? 48 : 32;
+  const int64_t units = (length + unit - 1) / unit;
+  const int64_t count = std::min<int64_t>(parts, units);
+  int64_t start = 0;
+  for (int64_t q = 0; q < count; ++q) {
+    const int64_t end = std::min(length, (units * (q + 1) / count) * unit);
+    if (end > start) {
+      rects.push_back(by_rows ? Rect{start, end, 0, N} : Rect{0, M, start, end});
+    }
+    start = end;
+  }
+  return rects;
+}
+
+}  // namespace minigpt::gemm
