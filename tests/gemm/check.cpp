@@ -6,8 +6,8 @@
 // "float32 300 384 128 nt row 1 1" ('#' starts a comment):
 //   dtype    float32 | float64
 //   layouts  two letters, A's then B's: n contiguous rows, t a transposed view (column
-//            stride 1), p contiguous with padded rows (row stride cols + 3), z every row the
-//            same (row stride 0)
+//            stride 1), p contiguous with padded rows (row stride cols + 3), q transposed with
+//            padded columns (column stride rows + 3), z every row the same (row stride 0)
 //   bias     none | row (an N-vector broadcast over rows, strides (0, 1)) | col (an M-vector,
 //            strides (1, 0)) | full (M x N) | nan (M x N of NaN: beta 0 must ignore it)
 // makes the inputs from the line alone (its own PRNG: full-mantissa values in [-1, 1), mixed
@@ -61,7 +61,8 @@ T draw(Random& random) {
   const uint64_t bits = random.next();
   if (bits % 61 == 0) return T(0);
   constexpr int digits = std::numeric_limits<T>::digits;
-  const T magnitude = std::ldexp(T(int64_t(bits >> (64 - digits))), -digits);
+  const T scale = T(1) / T(uint64_t(1) << digits);  // 2^-digits: exact
+  const T magnitude = T(int64_t(bits >> (64 - digits))) * scale;
   return (bits >> 7) & 1 ? -magnitude : magnitude;
 }
 
@@ -82,6 +83,7 @@ Matrix<T> make_matrix(char layout, int64_t rows, int64_t cols, Random& random) {
     case 'n': m.row_stride = cols, m.col_stride = 1; break;
     case 't': m.row_stride = 1, m.col_stride = rows; break;
     case 'p': m.row_stride = cols + 3, m.col_stride = 1, count = rows * (cols + 3); break;
+    case 'q': m.row_stride = 1, m.col_stride = rows + 3, count = (rows + 3) * cols; break;
     case 'z': m.row_stride = 0, m.col_stride = 1, count = cols; break;
     default: throw std::invalid_argument(std::string("unknown layout ") + layout);
   }
