@@ -138,8 +138,9 @@ EXTRA = (
 def compile_checker(tmp: Path, compiler: str, extra: list[str]) -> Path:
     found = shutil.which(compiler)
     if found is None:
-        pytest.fail(f"{compiler} is not installed: the gemm checker needs it (`make system-deps` "
-                    "installs Debian's g++ and g++-aarch64-linux-gnu)")
+        package = "g++-aarch64-linux-gnu (`make system-deps`)" if "aarch64" in compiler else "g++"
+        pytest.fail(f"{compiler} is not installed: the gemm checker needs it; install Debian's "
+                    f"{package}")
     binary = tmp / ("check-" + compiler)
     subprocess.run([found, *FLAGS, *extra, str(SOURCE), "-o", str(binary)], check=True,
                    capture_output=True, text=True)
