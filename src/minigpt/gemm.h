@@ -277,17 +277,24 @@ __attribute__((target("avx2,fma"))) void kernel_avx2(int64_t kc, const typename 
                                                      int64_t ldc, bool first) {
   constexpr int NR = NV * S::W;
   typename S::V acc[MR][NV];
+#pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) acc[r][v] = first ? S::zero() : S::load(c + r * ldc + v * S::W);
   for (int64_t p = 0; p < kc; ++p) {
     typename S::V row[NV];
+#pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) row[v] = S::load(b + p * NR + v * S::W);
+#pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
       const typename S::V x = S::broadcast(a + p * MR + r);
+#pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) acc[r][v] = S::fma(x, row[v], acc[r][v]);
     }
   }
+#pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) S::store(c + r * ldc + v * S::W, acc[r][v]);
 }
 
@@ -323,17 +330,24 @@ __attribute__((target("avx512f"))) void kernel_avx512(int64_t kc, const typename
                                                       int64_t ldc, bool first) {
   constexpr int NR = NV * S::W;
   typename S::V acc[MR][NV];
+#pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) acc[r][v] = first ? S::zero() : S::load(c + r * ldc + v * S::W);
   for (int64_t p = 0; p < kc; ++p) {
     typename S::V row[NV];
+#pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) row[v] = S::load(b + p * NR + v * S::W);
+#pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
       const typename S::V x = S::broadcast(a + p * MR + r);
+#pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) acc[r][v] = S::fma(x, row[v], acc[r][v]);
     }
   }
+#pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) S::store(c + r * ldc + v * S::W, acc[r][v]);
 }
 
