@@ -136,17 +136,31 @@ struct Rect {
 
 namespace detail {
 
-// Packed panels live in 64-byte aligned scratch memory, one allocation per call.
-template <typename T>
+// Packed panels live in 64-byte aligned scratch memory, kept by each thread for its next
+// call (it only grows: at most MC x KC + KC x NC entries, about 1 MB, per thread).
 struct Scratch {
-  T* data;
-  explicit Scratch(size_t count)
-      : data(static_cast<T*>(::operator new[](std::max<size_t>(count, 1) * sizeof(T),
-                                               std::align_val_t{64}))) {}
-  ~Scratch() { ::operator delete[](data, std::align_val_t{64}); }
+  void* data = nullptr;
+  size_t bytes = 0;
+  Scratch() = default;
   Scratch(const Scratch&) = delete;
   Scratch& operator=(const Scratch&) = delete;
+  ~Scratch() { ::operator delete(data, std::align_val_t{64}); }
+  void* reserve(size_t want) {
+    if (want > bytes) {
+      ::operator delete(data, std::align_val_t{64});
+      data = nullptr;
+      data = ::operator new(want, std::align_val_t{64});
+      bytes = want;
+    }
+    return data;
+  }
 };
+
+template <typename T>
+T* scratch(int which, size_t count) {
+  thread_local Scratch buffers[2];
+  return static_cast<T*>(buffers[which].reserve(std::max<size_t>(count, 1) * sizeof(T)));
+}
 
 // A's rows [0, mc) and p's [0, kc) (from `a`, already offset) into panels of MR rows: panel
 // q holds rows q*MR .. q*MR+MR-1, element (r, p) at [p*MR + r]; rows past mc are zeros.
@@ -356,13 +370,14 @@ __attribute__((target("avx512f"))) void kernel_avx512(int64_t kc, const typename
 
 #endif  // MINIGPT_GEMM_X86
 
-// Each path's tile and blocks. The tile fills the vector registers (AVX2: 12 accumulators
-// of 16, AVX-512: 24 of 32); KC steps of a B panel stay in L1, MC x KC of A in L2.
+// Each path's tile and blocks (those of BLIS's kernels for the same tiles). The tile fills
+// the vector registers (AVX2: 12 accumulators of 16, AVX-512: 24 of 32); a B panel of KC
+// steps stays in L1, an A block of MC x KC in L2, a B block of KC x NC in L3.
 inline Plan<float> plan_float(Path path) {
   switch (path) {
 #if MINIGPT_GEMM_X86
-    case Path::avx2: return {kernel_avx2<Avx2F, 6, 2>, 6, 16, 256, 72, 1024};
-    case Path::avx512: return {kernel_avx512<Avx512F, 12, 2>, 12, 32, 256, 96, 1024};
+    case Path::avx2: return {kernel_avx2<Avx2F, 6, 2>, 6, 16, 256, 144, 4080};
+    case Path::avx512: return {kernel_avx512<Avx512F, 12, 2>, 12, 32, 384, 240, 3072};
 #endif
     default: return {kernel_portable<float>, 4, 4, 256, 64, 1024};
   }
@@ -371,8 +386,8 @@ inline Plan<float> plan_float(Path path) {
 inline Plan<double> plan_double(Path path) {
   switch (path) {
 #if MINIGPT_GEMM_X86
-    case Path::avx2: return {kernel_avx2<Avx2D, 6, 2>, 6, 8, 256, 72, 1024};
-    case Path::avx512: return {kernel_avx512<Avx512D, 12, 2>, 12, 16, 256, 96, 1024};
+    case Path::avx2: return {kernel_avx2<Avx2D, 6, 2>, 6, 8, 256, 72, 4080};
+    case Path::avx512: return {kernel_avx512<Avx512D, 12, 2>, 12, 16, 384, 120, 3072};
 #endif
     default: return {kernel_portable<double>, 4, 4, 256, 64, 1024};
   }
@@ -395,8 +410,8 @@ void run(const Product<T>& pr, const Plan<T>& plan) {
   const int64_t kc_max = std::min(plan.KC, K);
   const int64_t mc_max = std::min<int64_t>(plan.MC, (M + MR - 1) / MR * MR);
   const int64_t nc_max = std::min<int64_t>(plan.NC, (N + NR - 1) / NR * NR);
-  Scratch<T> a_panels(mc_max * kc_max);
-  Scratch<T> b_panels(kc_max * nc_max);
+  T* const a_panels = scratch<T>(0, mc_max * kc_max);
+  T* const b_panels = scratch<T>(1, kc_max * nc_max);
   alignas(64) T edge[16 * 64];  // an edge tile's chains (MR * NR <= 16 * 64)
 
   for (int64_t jc = 0; jc < N; jc += plan.NC) {
@@ -404,17 +419,17 @@ void run(const Product<T>& pr, const Plan<T>& plan) {
     for (int64_t pc = 0; pc < K; pc += plan.KC) {
       const int64_t kc = std::min(plan.KC, K - pc);
       const bool first = pc == 0, last = pc + kc == K;
-      pack_b(pr.b + pc * pr.b_row + jc * pr.b_col, pr.b_row, pr.b_col, kc, nc, NR, b_panels.data);
+      pack_b(pr.b + pc * pr.b_row + jc * pr.b_col, pr.b_row, pr.b_col, kc, nc, NR, b_panels);
       for (int64_t ic = 0; ic < M; ic += plan.MC) {
         const int64_t mc = std::min(plan.MC, M - ic);
         pack_a(pr.a + ic * pr.a_row + pc * pr.a_col, pr.a_row, pr.a_col, mc, kc, MR,
-               a_panels.data);
+               a_panels);
         for (int64_t jr = 0; jr < nc; jr += NR) {
           const int64_t cols = std::min<int64_t>(NR, nc - jr);
-          const T* b = b_panels.data + jr * kc;
+          const T* b = b_panels + jr * kc;
           for (int64_t ir = 0; ir < mc; ir += MR) {
             const int64_t rows = std::min<int64_t>(MR, mc - ir);
-            const T* a = a_panels.data + ir * kc;
+            const T* a = a_panels + ir * kc;
             const int64_t i = ic + ir, j = jc + jr;
             T* c = pr.c + i * pr.ldc + j;
             if (rows == MR && cols == NR) {

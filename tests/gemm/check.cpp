@@ -20,7 +20,8 @@
 //             and nothing outside a rectangle is written
 //   split     C cut by gemm::split into 1, 2 and 3 rectangles, computed last first, equals
 //             the full product
-//   bench     ARG repeats (default 5): the median seconds of one product and its GFLOP/s
+//   bench     ARG repeats (default 5): the median seconds of one product, its GFLOP/s and
+//             the best repeat's GFLOP/s
 //   serve     for tools/gemm_bench.py: per line, runs the product for at least ARG seconds
 //             (default 0.2) and prints the seconds of one product
 //   paths     (no input) the paths this CPU runs
@@ -346,7 +347,8 @@ bool handle(const std::string& mode, const Line& line, g::Path path, double arg)
     }
     std::sort(times.begin(), times.end());
     const double median = times[times.size() / 2];
-    std::printf("%s %.6f s %.2f GFLOP/s\n", line.text.c_str(), median, flops / median * 1e-9);
+    std::printf("%s %.6f s median %.2f GFLOP/s best %.2f GFLOP/s\n", line.text.c_str(), median,
+                flops / median * 1e-9, flops / times[0] * 1e-9);
     return true;
   }
   throw std::invalid_argument("unknown mode " + mode);
