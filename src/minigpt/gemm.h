@@ -224,11 +224,13 @@ void finish(const Product<T>& pr, int64_t i, int64_t j, T* c, int64_t rows, int6
   }
 }
 
-// A micro-kernel: the chains of an MR x NR tile carried on for kc steps, over an A panel
-// (a[p*MR + r]) and a B panel (b[p*NR + c]); the accumulators start at +0.0 if `first`,
-// else from c (the partial sums a previous block stored), and end in c.
+// A micro-kernel: the chains of an MR x NR tile carried on for kc steps, over A's element
+// (r, p) at a[r*a_row + p*a_step] (a packed panel: a_row 1, a_step MR; rows of A read in
+// place: a_row its row stride, a_step 1) and a B panel (b[p*NR + c]); the accumulators start
+// at +0.0 if `first`, else from c (the partial sums a previous block stored), and end in c.
 template <typename T>
-using Kernel = void (*)(int64_t kc, const T* a, const T* b, T* c, int64_t ldc, bool first);
+using Kernel = void (*)(int64_t kc, const T* a, int64_t a_row, int64_t a_step, const T* b, T* c,
+                        int64_t ldc, bool first);
 
 // A path's kernel and its blocking: MR x NR the register tile; KC the steps of p per block;
 // MC the rows of A packed at a time (a multiple of MR); NC the columns of B (of NR).
@@ -242,14 +244,15 @@ struct Plan {
 // ---- The portable path: plain C++, std::fma, a 4 x 4 tile of scalars. ----
 
 template <typename T>
-void kernel_portable(int64_t kc, const T* a, const T* b, T* c, int64_t ldc, bool first) {
+void kernel_portable(int64_t kc, const T* a, int64_t a_row, int64_t a_step, const T* b, T* c,
+                     int64_t ldc, bool first) {
   constexpr int MR = 4, NR = 4;
   T acc[MR][NR];
   for (int r = 0; r < MR; ++r)
     for (int q = 0; q < NR; ++q) acc[r][q] = first ? T(0) : c[r * ldc + q];
   for (int64_t p = 0; p < kc; ++p) {
     for (int r = 0; r < MR; ++r)
-      for (int q = 0; q < NR; ++q) acc[r][q] = std::fma(a[p * MR + r], b[p * NR + q], acc[r][q]);
+      for (int q = 0; q < NR; ++q) acc[r][q] = std::fma(a[r * a_row + p * a_step], b[p * NR + q], acc[r][q]);
   }
   for (int r = 0; r < MR; ++r)
     for (int q = 0; q < NR; ++q) c[r * ldc + q] = acc[r][q];
@@ -287,6 +290,7 @@ struct Avx2D {
 
 template <typename S, int MR, int NV>
 __attribute__((target("avx2,fma"))) void kernel_avx2(int64_t kc, const typename S::T* a,
+                                                     int64_t a_row, int64_t a_step,
                                                      const typename S::T* b, typename S::T* c,
                                                      int64_t ldc, bool first) {
   constexpr int NR = NV * S::W;
@@ -301,7 +305,7 @@ __attribute__((target("avx2,fma"))) void kernel_avx2(int64_t kc, const typename 
     for (int v = 0; v < NV; ++v) row[v] = S::load(b + p * NR + v * S::W);
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
-      const typename S::V x = S::broadcast(a + p * MR + r);
+      const typename S::V x = S::broadcast(a + r * a_row + p * a_step);
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) acc[r][v] = S::fma(x, row[v], acc[r][v]);
     }
@@ -340,6 +344,7 @@ struct Avx512D {
 
 template <typename S, int MR, int NV>
 __attribute__((target("avx512f"))) void kernel_avx512(int64_t kc, const typename S::T* a,
+                                                      int64_t a_row, int64_t a_step,
                                                       const typename S::T* b, typename S::T* c,
                                                       int64_t ldc, bool first) {
   constexpr int NR = NV * S::W;
@@ -354,7 +359,7 @@ __attribute__((target("avx512f"))) void kernel_avx512(int64_t kc, const typename
     for (int v = 0; v < NV; ++v) row[v] = S::load(b + p * NR + v * S::W);
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
-      const typename S::V x = S::broadcast(a + p * MR + r);
+      const typename S::V x = S::broadcast(a + r * a_row + p * a_step);
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) acc[r][v] = S::fma(x, row[v], acc[r][v]);
     }
@@ -413,6 +418,9 @@ void run(const Product<T>& pr, const Plan<T>& plan) {
   T* const a_panels = scratch<T>(0, mc_max * kc_max);
   T* const b_panels = scratch<T>(1, kc_max * nc_max);
   alignas(64) T edge[16 * 64];  // an edge tile's chains (MR * NR <= 16 * 64)
+  // Rows of A contiguous along p are read in place by full tiles (only a tile of fewer
+  // than MR rows is packed): the same elements, in the same order, without a copy.
+  const bool a_in_place = pr.a_col == 1;
 
   for (int64_t jc = 0; jc < N; jc += plan.NC) {
     const int64_t nc = std::min(plan.NC, N - jc);
@@ -422,18 +430,22 @@ void run(const Product<T>& pr, const Plan<T>& plan) {
       pack_b(pr.b + pc * pr.b_row + jc * pr.b_col, pr.b_row, pr.b_col, kc, nc, NR, b_panels);
       for (int64_t ic = 0; ic < M; ic += plan.MC) {
         const int64_t mc = std::min(plan.MC, M - ic);
-        pack_a(pr.a + ic * pr.a_row + pc * pr.a_col, pr.a_row, pr.a_col, mc, kc, MR,
-               a_panels);
+        const T* const a_block = pr.a + ic * pr.a_row + pc * pr.a_col;
+        const int64_t a_full = a_in_place ? mc / MR * MR : 0;  // rows read in place
+        pack_a(a_block + a_full * pr.a_row, pr.a_row, pr.a_col, mc - a_full, kc, MR,
+               a_panels + a_full * kc);
         for (int64_t jr = 0; jr < nc; jr += NR) {
           const int64_t cols = std::min<int64_t>(NR, nc - jr);
           const T* b = b_panels + jr * kc;
           for (int64_t ir = 0; ir < mc; ir += MR) {
             const int64_t rows = std::min<int64_t>(MR, mc - ir);
-            const T* a = a_panels + ir * kc;
+            const bool packed = ir >= a_full;
+            const T* a = packed ? a_panels + ir * kc : a_block + ir * pr.a_row;
+            const int64_t a_row = packed ? 1 : pr.a_row, a_step = packed ? MR : 1;
             const int64_t i = ic + ir, j = jc + jr;
             T* c = pr.c + i * pr.ldc + j;
             if (rows == MR && cols == NR) {
-              plan.kernel(kc, a, b, c, pr.ldc, first);
+              plan.kernel(kc, a, a_row, a_step, b, c, pr.ldc, first);
             } else {
               // An edge tile: the same chains, in a full tile whose rows and columns past
               // the edge are zeros and are never stored.
@@ -441,7 +453,7 @@ void run(const Product<T>& pr, const Plan<T>& plan) {
                 for (int64_t r = 0; r < rows; ++r)
                   std::memcpy(edge + r * NR, c + r * pr.ldc, cols * sizeof(T));
               }
-              plan.kernel(kc, a, b, edge, NR, first);
+              plan.kernel(kc, a, a_row, a_step, b, edge, NR, first);
               for (int64_t r = 0; r < rows; ++r)
                 std::memcpy(c + r * pr.ldc, edge + r * NR, cols * sizeof(T));
             }
