@@ -42,6 +42,7 @@
 #include <new>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
@@ -401,6 +402,22 @@ inline Plan<double> plan_double(Path path) {
 inline Plan<float> plan(Path path, float) { return plan_float(path); }
 inline Plan<double> plan(Path path, double) { return plan_double(path); }
 
+// Whether the M x N entries of x (strides x_row, x_col) and of y share memory, by the ranges
+// of addresses each spans.
+template <typename T>
+bool overlaps(const T* x, int64_t x_row, int64_t x_col, const T* y, int64_t y_row, int64_t y_col,
+              int64_t M, int64_t N) {
+  auto span = [&](const T* base, int64_t row, int64_t col, const T*& lo, const T*& hi) {
+    const int64_t r = (M - 1) * row, c = (N - 1) * col;
+    lo = base + std::min<int64_t>(r, 0) + std::min<int64_t>(c, 0);
+    hi = base + std::max<int64_t>(r, 0) + std::max<int64_t>(c, 0);
+  };
+  const T *x_lo, *x_hi, *y_lo, *y_hi;
+  span(x, x_row, x_col, x_lo, x_hi);
+  span(y, y_row, y_col, y_lo, y_hi);
+  return !(x_hi < y_lo || y_hi < x_lo);
+}
+
 // The whole product `pr` (already cut to a rectangle) with one plan.
 template <typename T>
 void run(const Product<T>& pr, const Plan<T>& plan) {
@@ -470,7 +487,9 @@ void run(const Product<T>& pr, const Plan<T>& plan) {
 // The entries of C in `rect` (rows r0..r1-1, columns c0..c1-1) of the product `pr`, by
 // `path` (automatic: the best this CPU runs). Each entry is its own chain, so any rectangles
 // that cover C, computed in any order or on any threads, write the same bits as one call.
-// Spawns no threads. Throws std::invalid_argument for a path this CPU cannot run.
+// Spawns no threads. Throws std::invalid_argument for a path this CPU cannot run. C must not
+// share memory with A or B; the bias may be C itself (each rectangle reads only its own
+// entries of it first), or else must not share memory with C either.
 template <typename T>
 void compute(const Product<T>& pr, Rect rect, Path path = Path::automatic) {
   static_assert(std::is_same<T, float>::value || std::is_same<T, double>::value,
@@ -487,7 +506,20 @@ void compute(const Product<T>& pr, Rect rect, Path path = Path::automatic) {
   part.a = pr.a + rect.r0 * pr.a_row;
   part.b = pr.b + rect.c0 * pr.b_col;
   part.c = pr.c + rect.r0 * pr.ldc + rect.c0;
-  if (pr.bias) part.bias = pr.bias + rect.r0 * pr.bias_row + rect.c0 * pr.bias_col;
+  std::vector<T> bias_copy;
+  if (pr.bias) {
+    part.bias = pr.bias + rect.r0 * pr.bias_row + rect.c0 * pr.bias_col;
+    // A bias in C's own memory (an in-place addmm passes C as its bias) would be read after
+    // the partial sums overwrote it: such a bias is read from a copy of its rectangle.
+    if (detail::overlaps(part.bias, part.bias_row, part.bias_col, part.c, part.ldc, 1, part.M,
+                         part.N)) {
+      bias_copy.resize(part.M * part.N);
+      for (int64_t i = 0; i < part.M; ++i)
+        for (int64_t j = 0; j < part.N; ++j)
+          bias_copy[i * part.N + j] = part.bias[i * part.bias_row + j * part.bias_col];
+      part.bias = bias_copy.data(), part.bias_row = part.N, part.bias_col = 1;
+    }
+  }
   detail::run(part, detail::plan(chosen, T()));
 }
 

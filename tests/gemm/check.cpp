@@ -9,7 +9,8 @@
 //            stride 1), p contiguous with padded rows (row stride cols + 3), q transposed with
 //            padded columns (column stride rows + 3), z every row the same (row stride 0)
 //   bias     none | row (an N-vector broadcast over rows, strides (0, 1)) | col (an M-vector,
-//            strides (1, 0)) | full (M x N) | nan (M x N of NaN: beta 0 must ignore it)
+//            strides (1, 0)) | full (M x N) | nan (M x N of NaN: beta 0 must ignore it) |
+//            self (C itself, holding an M x N bias before the product: an in-place addmm)
 // makes the inputs from the line alone (its own PRNG: full-mantissa values in [-1, 1), mixed
 // signs, one in 61 an exact zero), computes the product by PATH (portable, avx2, avx512,
 // auto, env = MINIGPT_GEMM_PATH), and prints one line per product:
@@ -119,7 +120,7 @@ bool parse(const std::string& raw, Line& line) {
 template <typename T>
 struct Problem {
   Matrix<T> a, b, bias;
-  bool has_bias = false;
+  bool has_bias = false, in_c = false;  // in_c: the bias is C itself
   g::Product<T> product;  // c left null: each run brings its own
 };
 
@@ -134,7 +135,7 @@ Problem<T> make_problem(const Line& line) {
   } else if (line.bias == "col") {
     pb.bias = make_matrix<T>('t', line.M, 1, random);
     pb.bias.col_stride = 0;
-  } else if (line.bias == "full") {
+  } else if (line.bias == "full" || line.bias == "self") {
     pb.bias = make_matrix<T>('n', line.M, line.N, random);
   } else if (line.bias == "nan") {
     pb.bias = make_matrix<T>('n', line.M, line.N, random);
@@ -143,6 +144,7 @@ Problem<T> make_problem(const Line& line) {
     throw std::invalid_argument("unknown bias " + line.bias);
   }
   pb.has_bias = line.bias != "none";
+  pb.in_c = line.bias == "self";
   g::Product<T>& p = pb.product;
   p.M = line.M, p.N = line.N, p.K = line.K;
   p.a = pb.a.data(), p.a_row = pb.a.row_stride, p.a_col = pb.a.col_stride;
@@ -209,10 +211,13 @@ uint64_t hash(const std::vector<T>& c) {
   return h;
 }
 
-// A C whose every entry starts as a NaN with a payload no product writes.
+// C as it is before a product: the bias if C is its own bias, else a NaN with a payload no
+// product writes in every entry.
 template <typename T>
-std::vector<T> sentinel(int64_t count) {
-  std::vector<T> c(count);
+std::vector<T> initial(const Problem<T>& pb) {
+  const g::Product<T>& p = pb.product;
+  if (pb.in_c) return pb.bias.storage;
+  std::vector<T> c(p.M * p.N);
   const uint64_t pattern = sizeof(T) == 4 ? 0x7FBADBADull : 0x7FF4BADBADBADBADull;
   for (T& value : c) std::memcpy(&value, &pattern, sizeof(T));
   return c;
@@ -222,6 +227,7 @@ template <typename T>
 std::vector<T> run(const Problem<T>& pb, g::Path path, g::Rect rect, std::vector<T> c) {
   g::Product<T> p = pb.product;
   p.c = c.data();
+  if (pb.in_c) p.bias = c.data();
   g::compute(p, rect, path);
   return c;
 }
@@ -229,18 +235,18 @@ std::vector<T> run(const Problem<T>& pb, g::Path path, g::Rect rect, std::vector
 template <typename T>
 std::vector<T> full(const Problem<T>& pb, g::Path path) {
   const g::Product<T>& p = pb.product;
-  return run(pb, path, g::Rect{0, p.M, 0, p.N}, sentinel<T>(p.M * p.N));
+  return run(pb, path, g::Rect{0, p.M, 0, p.N}, initial(pb));
 }
 
-// "" if c equals want at every entry (in the rectangle, if given, and untouched outside it).
+// "" if c equals want at every entry (in the rectangle, if given; outside it, c must still
+// be as it was, `before`).
 template <typename T>
 std::string compare(const std::vector<T>& c, const std::vector<T>& want, int64_t N,
-                    const g::Rect* rect = nullptr) {
-  const std::vector<T> untouched = sentinel<T>(1);
+                    const g::Rect* rect = nullptr, const std::vector<T>* before = nullptr) {
   for (size_t k = 0; k < c.size(); ++k) {
     const int64_t i = int64_t(k) / std::max<int64_t>(N, 1), j = int64_t(k) % std::max<int64_t>(N, 1);
     const bool inside = !rect || (i >= rect->r0 && i < rect->r1 && j >= rect->c0 && j < rect->c1);
-    const T expected = inside ? want[k] : untouched[0];
+    const T expected = inside ? want[k] : (*before)[k];
     if (bits(c[k]) != bits(expected)) {
       char text[200];
       std::snprintf(text, sizeof text, "differs at [%" PRId64 ", %" PRId64 "]: %.17g (0x%" PRIx64
@@ -295,7 +301,8 @@ bool handle(const std::string& mode, const Line& line, g::Path path, double arg)
     int count = 0;
     if (mode == "rects") {
       for (const g::Rect& r : test_rects(p.M, p.N)) {
-        const std::string diff = compare(run(pb, path, r, sentinel<T>(p.M * p.N)), whole, p.N, &r);
+        const std::vector<T> before = initial(pb);
+        const std::string diff = compare(run(pb, path, r, before), whole, p.N, &r, &before);
         ++count;
         if (!diff.empty() && failure.empty()) {
           failure = "rows " + std::to_string(r.r0) + ".." + std::to_string(r.r1) + " cols " +
@@ -304,7 +311,7 @@ bool handle(const std::string& mode, const Line& line, g::Path path, double arg)
       }
     } else {
       for (int parts : {1, 2, 3}) {
-        std::vector<T> c = sentinel<T>(p.M * p.N);
+        std::vector<T> c = initial(pb);
         const std::vector<g::Rect> rects = g::split(p.M, p.N, parts);
         for (auto r = rects.rbegin(); r != rects.rend(); ++r) c = run(pb, path, *r, std::move(c));
         const std::string diff = compare(c, whole, p.N);
