@@ -67,6 +67,9 @@ inline const char* path_name(Path path) {
 
 // Whether this CPU (and this build) can run `path`.
 inline bool supported(Path path) {
+#if MINIGPT_GEMM_X86
+  __builtin_cpu_init();  // cheap, and needed if called before constructors ran
+#endif
   switch (path) {
     case Path::automatic:
     case Path::portable: return true;
