@@ -59,7 +59,10 @@ def torch_seconds(m: int, n: int, k: int, layouts: str, bias: str, batched: bool
     """Seconds of one product by PyTorch (per head for attention)."""
     if batched:
         a = torch.rand(BATCH, m, k) * 2 - 1
-        b = torch.rand(BATCH, n, k).transpose(1, 2) if layouts[1] == "t" else torch.rand(BATCH, k, n)
+        if layouts[1] == "t":
+            b = (torch.rand(BATCH, n, k) * 2 - 1).transpose(1, 2)
+        else:
+            b = torch.rand(BATCH, k, n) * 2 - 1
         out = torch.empty(BATCH, m, n)
 
         def step() -> None:
