@@ -487,17 +487,11 @@ void run(const Product<T>& pr, const Plan<T>& plan) {
 
 }  // namespace detail
 
-// The entries of C in `rect` (rows r0..r1-1, columns c0..c1-1) of the product `pr`, by
-// `path` (automatic: the best this CPU runs). Each entry is its own chain, so any rectangles
-// that cover C, computed in any order or on any threads, write the same bits as one call.
-// Spawns no threads. Throws std::invalid_argument for a path this CPU cannot run. C must not
-// share memory with A or B; the bias may be C itself (each rectangle reads only its own
-// entries of it first), or else must not share memory with C either.
+namespace detail {
+
+// `compute` with a given plan (the checker also runs the AVX-512 blocks with AVX2 tiles).
 template <typename T>
-void compute(const Product<T>& pr, Rect rect, Path path = Path::automatic) {
-  static_assert(std::is_same<T, float>::value || std::is_same<T, double>::value,
-                "minigpt gemm: float32 or float64");
-  const Path chosen = resolve(path);
+void compute_plan(const Product<T>& pr, Rect rect, const Plan<T>& plan) {
   rect.r0 = std::max<int64_t>(rect.r0, 0);
   rect.c0 = std::max<int64_t>(rect.c0, 0);
   rect.r1 = std::min(rect.r1, pr.M);
@@ -514,8 +508,7 @@ void compute(const Product<T>& pr, Rect rect, Path path = Path::automatic) {
     part.bias = pr.bias + rect.r0 * pr.bias_row + rect.c0 * pr.bias_col;
     // A bias in C's own memory (an in-place addmm passes C as its bias) would be read after
     // the partial sums overwrote it: such a bias is read from a copy of its rectangle.
-    if (detail::overlaps(part.bias, part.bias_row, part.bias_col, part.c, part.ldc, 1, part.M,
-                         part.N)) {
+    if (overlaps(part.bias, part.bias_row, part.bias_col, part.c, part.ldc, 1, part.M, part.N)) {
       bias_copy.resize(part.M * part.N);
       for (int64_t i = 0; i < part.M; ++i)
         for (int64_t j = 0; j < part.N; ++j)
@@ -523,7 +516,22 @@ void compute(const Product<T>& pr, Rect rect, Path path = Path::automatic) {
       part.bias = bias_copy.data(), part.bias_row = part.N, part.bias_col = 1;
     }
   }
-  detail::run(part, detail::plan(chosen, T()));
+  run(part, plan);
+}
+
+}  // namespace detail
+
+// The entries of C in `rect` (rows r0..r1-1, columns c0..c1-1) of the product `pr`, by
+// `path` (automatic: the best this CPU runs). Each entry is its own chain, so any rectangles
+// that cover C, computed in any order or on any threads, write the same bits as one call.
+// Spawns no threads. Throws std::invalid_argument for a path this CPU cannot run. C must not
+// share memory with A or B; the bias may be C itself (each rectangle reads only its own
+// entries of it first), or else must not share memory with C either.
+template <typename T>
+void compute(const Product<T>& pr, Rect rect, Path path = Path::automatic) {
+  static_assert(std::is_same<T, float>::value || std::is_same<T, double>::value,
+                "minigpt gemm: float32 or float64");
+  detail::compute_plan(pr, rect, detail::plan(resolve(path), T()));
 }
 
 // The whole of C.

@@ -13,7 +13,8 @@
 //            self (C itself, holding an M x N bias before the product: an in-place addmm)
 // makes the inputs from the line alone (its own PRNG: full-mantissa values in [-1, 1), mixed
 // signs, one in 61 an exact zero), computes the product by PATH (portable, avx2, avx512,
-// auto, env = MINIGPT_GEMM_PATH), and prints one line per product:
+// auto, env = MINIGPT_GEMM_PATH, or avx512-tiles: see tiles_of_avx512), and prints one line
+// per product:
 //   hash      the line and a 64-bit FNV-1a hash of C's bits (row by row, little-endian)
 //   check     "ok" or the first entry that differs from the reference (the order written as
 //             a naive loop); exit status 1 if any differs
@@ -223,12 +224,39 @@ std::vector<T> initial(const Problem<T>& pb) {
   return c;
 }
 
+// The path "avx512-tiles" (tiles_of_avx512): the AVX-512 path's plan, its tile shape and
+// blocks, run by the AVX2 kernel with a tile of that shape (4 vectors of 8 floats or 4
+// doubles a row): what the AVX-512 path does, but for its instructions, on a CPU without them.
+bool tiles_of_avx512 = false;
+
+template <typename T>
+g::detail::Plan<T> avx512_tiles() {
+#if MINIGPT_GEMM_X86
+  g::detail::Plan<T> plan = g::detail::plan(g::Path::avx512, T());
+  if constexpr (sizeof(T) == 4) {
+    plan.kernel = g::detail::kernel_avx2<g::detail::Avx2F, 12, 4>;
+  } else {
+    plan.kernel = g::detail::kernel_avx2<g::detail::Avx2D, 12, 4>;
+  }
+  if (plan.MR != 12 || plan.NR != 4 * 32 / int(sizeof(T))) {
+    throw std::logic_error("the AVX-512 tile is no longer 12 x 2 vectors: update avx512_tiles");
+  }
+  return plan;
+#else
+  throw std::invalid_argument("avx512-tiles runs on x86-64 only");
+#endif
+}
+
 template <typename T>
 std::vector<T> run(const Problem<T>& pb, g::Path path, g::Rect rect, std::vector<T> c) {
   g::Product<T> p = pb.product;
   p.c = c.data();
   if (pb.in_c) p.bias = c.data();
-  g::compute(p, rect, path);
+  if (tiles_of_avx512) {
+    g::detail::compute_plan(p, rect, avx512_tiles<T>());
+  } else {
+    g::compute(p, rect, path);
+  }
   return c;
 }
 
@@ -376,7 +404,9 @@ int main(int argc, char** argv) {
       return 2;
     }
     const std::string mode = argv[1], path_arg = argv[2];
-    const g::Path path = g::resolve(path_arg == "env" ? g::path_from_env() : g::parse_path(path_arg));
+    tiles_of_avx512 = path_arg == "avx512-tiles";
+    const g::Path path = tiles_of_avx512 ? g::resolve(g::Path::avx2)
+                         : g::resolve(path_arg == "env" ? g::path_from_env() : g::parse_path(path_arg));
     const double arg = argc > 3 ? std::atof(argv[3]) : 0;
     bool all_ok = true;
     std::string raw;
