@@ -141,7 +141,7 @@ struct Rect {
 namespace detail {
 
 // Packed panels live in 64-byte aligned scratch memory, kept by each thread for its next
-// call (it only grows: at most MC x KC + KC x NC entries, about 1 MB, per thread).
+// call (it only grows, to at most (MC + NC) x KC entries: 1 MB for the book's products).
 struct Scratch {
   void* data = nullptr;
   size_t bytes = 0;
@@ -246,6 +246,8 @@ struct Plan {
 };
 
 // ---- The portable path: plain C++, std::fma, a 4 x 4 tile of scalars. ----
+// (On aarch64 std::fma is an instruction; on baseline x86-64 a call into libm, slow: there
+// the path serves the tests.)
 
 template <typename T>
 void kernel_portable(int64_t kc, const T* a, int64_t a_row, int64_t a_step, const T* b, T* c,
@@ -256,7 +258,8 @@ void kernel_portable(int64_t kc, const T* a, int64_t a_row, int64_t a_step, cons
     for (int q = 0; q < NR; ++q) acc[r][q] = first ? T(0) : c[r * ldc + q];
   for (int64_t p = 0; p < kc; ++p) {
     for (int r = 0; r < MR; ++r)
-      for (int q = 0; q < NR; ++q) acc[r][q] = std::fma(a[r * a_row + p * a_step], b[p * NR + q], acc[r][q]);
+      for (int q = 0; q < NR; ++q)
+        acc[r][q] = std::fma(a[r * a_row + p * a_step], b[p * NR + q], acc[r][q]);
   }
   for (int r = 0; r < MR; ++r)
     for (int q = 0; q < NR; ++q) c[r * ldc + q] = acc[r][q];
@@ -379,9 +382,10 @@ __attribute__((target("avx512f"))) void kernel_avx512(int64_t kc, const typename
 
 #endif  // MINIGPT_GEMM_X86
 
-// Each path's tile and blocks (those of BLIS's kernels for the same tiles). The tile fills
-// the vector registers (AVX2: 12 accumulators of 16, AVX-512: 24 of 32); a B panel of KC
-// steps stays in L1, an A block of MC x KC in L2, a B block of KC x NC in L3.
+// Each path's tile and blocks (those of BLIS's kernels for the same tiles). The tile's
+// accumulators fill most vector registers (AVX2: 6 x 16 floats in 12 of 16, AVX-512: 12 x 32
+// in 24 of 32); a B panel of KC steps stays in L1, an A block of MC x KC in L2, a B block of
+// KC x NC in L3.
 inline Plan<float> plan_float(Path path) {
   switch (path) {
 #if MINIGPT_GEMM_X86
@@ -437,7 +441,7 @@ void run(const Product<T>& pr, const Plan<T>& plan) {
   const int64_t nc_max = std::min<int64_t>(plan.NC, (N + NR - 1) / NR * NR);
   T* const a_panels = scratch<T>(0, mc_max * kc_max);
   T* const b_panels = scratch<T>(1, kc_max * nc_max);
-  alignas(64) T edge[16 * 64];  // an edge tile's chains (MR * NR <= 16 * 64)
+  alignas(64) T edge[16 * 64] = {};  // an edge tile's chains (MR * NR <= 16 * 64)
   // Rows of A contiguous along p are read in place by full tiles (only a tile of fewer
   // than MR rows is packed): the same elements, in the same order, without a copy.
   const bool a_in_place = pr.a_col == 1;

@@ -207,7 +207,8 @@ uint64_t hash(const std::vector<T>& c) {
   uint64_t h = 0xCBF29CE484222325ull;
   for (T value : c) {
     const uint64_t u = bits(value);
-    for (size_t byte = 0; byte < sizeof(T); ++byte) h = (h ^ ((u >> (8 * byte)) & 0xFF)) * 0x100000001B3ull;
+    for (size_t byte = 0; byte < sizeof(T); ++byte)
+      h = (h ^ ((u >> (8 * byte)) & 0xFF)) * 0x100000001B3ull;
   }
   return h;
 }
@@ -272,7 +273,7 @@ template <typename T>
 std::string compare(const std::vector<T>& c, const std::vector<T>& want, int64_t N,
                     const g::Rect* rect = nullptr, const std::vector<T>* before = nullptr) {
   for (size_t k = 0; k < c.size(); ++k) {
-    const int64_t i = int64_t(k) / std::max<int64_t>(N, 1), j = int64_t(k) % std::max<int64_t>(N, 1);
+    const int64_t width = std::max<int64_t>(N, 1), i = int64_t(k) / width, j = int64_t(k) % width;
     const bool inside = !rect || (i >= rect->r0 && i < rect->r1 && j >= rect->c0 && j < rect->c1);
     const T expected = inside ? want[k] : (*before)[k];
     if (bits(c[k]) != bits(expected)) {
@@ -296,7 +297,8 @@ std::vector<g::Rect> test_rects(int64_t M, int64_t N) {
   rects.push_back({M / 3, M - M / 5, 0, N});            // a band
   rects.push_back({0, M, N - 1, N});                    // the last column alone
   rects.push_back({0, M, std::min<int64_t>(N - 1, 5), N - N / 4});
-  rects.push_back({M / 4, std::max<int64_t>(M / 4 + 1, M - 2), N / 3, std::max<int64_t>(N / 3 + 1, N - 3)});
+  rects.push_back({M / 4, std::max<int64_t>(M / 4 + 1, M - 2),  // a rectangle inside
+                   N / 3, std::max<int64_t>(N / 3 + 1, N - 3)});
   rects.push_back({M - 1, M, N - 1, N});                // one entry
   std::vector<g::Rect> valid;
   for (const g::Rect& r : rects) {
@@ -400,13 +402,15 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (argc < 3) {
-      std::fprintf(stderr, "usage: check hash|check|rects|split|bench|serve|paths PATH [ARG] < products\n");
+      std::fprintf(stderr, "usage: check hash|check|rects|split|bench|serve|paths PATH [ARG] "
+                           "< products\n");
       return 2;
     }
     const std::string mode = argv[1], path_arg = argv[2];
     tiles_of_avx512 = path_arg == "avx512-tiles";
-    const g::Path path = tiles_of_avx512 ? g::resolve(g::Path::avx2)
-                         : g::resolve(path_arg == "env" ? g::path_from_env() : g::parse_path(path_arg));
+    const g::Path path = g::resolve(tiles_of_avx512    ? g::Path::avx2
+                                    : path_arg == "env" ? g::path_from_env()
+                                                        : g::parse_path(path_arg));
     const double arg = argc > 3 ? std::atof(argv[3]) : 0;
     bool all_ok = true;
     std::string raw;
