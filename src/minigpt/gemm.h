@@ -442,9 +442,10 @@ void run(const Product<T>& pr, const Plan<T>& plan) {
   T* const a_panels = scratch<T>(0, mc_max * kc_max);
   T* const b_panels = scratch<T>(1, kc_max * nc_max);
   alignas(64) T edge[16 * 64] = {};  // an edge tile's chains (MR * NR <= 16 * 64)
-  // Rows of A contiguous along p are read in place by full tiles (only a tile of fewer
-  // than MR rows is packed): the same elements, in the same order, without a copy.
-  const bool a_in_place = pr.a_col == 1;
+  // An A whose rows or columns are contiguous (a matrix or its transposed view) is read in
+  // place by full tiles, only a tile of fewer than MR rows is packed: the same elements, in
+  // the same order, without the copy.
+  const bool a_in_place = pr.a_col == 1 || pr.a_row == 1;
 
   for (int64_t jc = 0; jc < N; jc += plan.NC) {
     const int64_t nc = std::min(plan.NC, N - jc);
@@ -465,7 +466,7 @@ void run(const Product<T>& pr, const Plan<T>& plan) {
             const int64_t rows = std::min<int64_t>(MR, mc - ir);
             const bool packed = ir >= a_full;
             const T* a = packed ? a_panels + ir * kc : a_block + ir * pr.a_row;
-            const int64_t a_row = packed ? 1 : pr.a_row, a_step = packed ? MR : 1;
+            const int64_t a_row = packed ? 1 : pr.a_row, a_step = packed ? MR : pr.a_col;
             const int64_t i = ic + ir, j = jc + jr;
             T* c = pr.c + i * pr.ldc + j;
             if (rows == MR && cols == NR) {
