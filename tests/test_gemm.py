@@ -119,7 +119,7 @@ def reduced_census() -> tuple[str, ...]:
 
 #: Products beyond the census: alpha and beta other than 1 (the epilogue's roundings), beta 0
 #: with a NaN bias, no steps (K = 0), a column and a full bias, C as its own bias (an in-place
-#: addmm), every layout, float64.
+#: addmm), every layout (s: neither rows nor columns contiguous), float64.
 EXTRA = (
     "float32 7 5 3 tt full 0.7 0.3",
     "float32 29 33 0 nn full 0.5 2",
@@ -133,6 +133,8 @@ EXTRA = (
     "float32 1 1 1 nn none 1 1",
     "float32 1 1000 7 tn row 1 1",
     "float32 1000 1 7 nt row 1 1",
+    "float32 50 40 300 ss full 1 1",
+    "float64 30 20 260 sn row 1 1",
     "float32 37 45 600 nn self 1 1",
     "float32 20 33 17 tn self 0.5 -1",
     "float64 25 19 300 nt self 1 0.5",

@@ -7,7 +7,9 @@
 //   dtype    float32 | float64
 //   layouts  two letters, A's then B's: n contiguous rows, t a transposed view (column
 //            stride 1), p contiguous with padded rows (row stride cols + 3), q transposed with
-//            padded columns (column stride rows + 3), z every row the same (row stride 0)
+//            padded columns (column stride rows + 3), s every other element of padded rows
+//            (row stride 2 cols + 1, column stride 2: packed, never read in place), z every
+//            row the same (row stride 0)
 //   bias     none | row (an N-vector broadcast over rows, strides (0, 1)) | col (an M-vector,
 //            strides (1, 0)) | full (M x N) | nan (M x N of NaN: beta 0 must ignore it) |
 //            self (C itself, holding an M x N bias before the product: an in-place addmm)
@@ -87,6 +89,7 @@ Matrix<T> make_matrix(char layout, int64_t rows, int64_t cols, Random& random) {
     case 't': m.row_stride = 1, m.col_stride = rows; break;
     case 'p': m.row_stride = cols + 3, m.col_stride = 1, count = rows * (cols + 3); break;
     case 'q': m.row_stride = 1, m.col_stride = rows + 3, count = (rows + 3) * cols; break;
+    case 's': m.row_stride = 2 * cols + 1, m.col_stride = 2, count = rows * (2 * cols + 1); break;
     case 'z': m.row_stride = 0, m.col_stride = 1, count = cols; break;
     default: throw std::invalid_argument(std::string("unknown layout ") + layout);
   }
