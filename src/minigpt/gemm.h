@@ -188,7 +188,31 @@ template <typename T>
 void pack_b(const T* b, int64_t b_row, int64_t b_col, int64_t kc, int64_t nc, int NR, T* out) {
   for (int64_t j0 = 0; j0 < nc; j0 += NR) {
     const int64_t cols = std::min<int64_t>(NR, nc - j0);
-    for (int64_t p = 0; p < kc; ++p) {
+    int64_t p = 0;
+#if MINIGPT_GEMM_X86
+    if constexpr (std::is_same<T, float>::value) {
+      // A transposed B (a linear layer's weight, B = W^T): 4 x 4 blocks turned by SSE
+      // shuffles (baseline x86-64), four times as fast as one element at a time.
+      if (b_row == 1 && cols % 4 == 0) {
+        for (; p + 4 <= kc; p += 4) {
+          for (int64_t c = 0; c < cols; c += 4) {
+            const float* src = b + p + (j0 + c) * b_col;
+            __m128 r0 = _mm_loadu_ps(src), r1 = _mm_loadu_ps(src + b_col);
+            __m128 r2 = _mm_loadu_ps(src + 2 * b_col), r3 = _mm_loadu_ps(src + 3 * b_col);
+            _MM_TRANSPOSE4_PS(r0, r1, r2, r3);
+            float* dst = out + p * NR + c;
+            _mm_storeu_ps(dst, r0);
+            _mm_storeu_ps(dst + NR, r1);
+            _mm_storeu_ps(dst + 2 * NR, r2);
+            _mm_storeu_ps(dst + 3 * NR, r3);
+          }
+          for (int64_t q = p; q < p + 4; ++q)
+            for (int64_t c = cols; c < NR; ++c) out[q * NR + c] = 0.0f;
+        }
+      }
+    }
+#endif
+    for (; p < kc; ++p) {
       const T* src = b + p * b_row + j0 * b_col;
       T* dst = out + p * NR;
       if (b_col == 1) {
