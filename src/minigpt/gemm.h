@@ -43,6 +43,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
@@ -260,23 +261,36 @@ template <typename T>
 using Kernel = void (*)(int64_t kc, const T* a, int64_t a_row, int64_t a_step, const T* b, T* c,
                         int64_t ldc, bool first);
 
-// A path's kernel and its blocking: MR x NR the register tile; KC the steps of p per block;
-// MC the rows of A packed at a time (a multiple of MR); NC the columns of B (of NR).
+// A path's kernels and its blocking: MR x NR the register tile, kernel[r] the kernel of a
+// tile of r rows (1 <= r <= MR: the last rows of C need no wasted ones); KC the steps of p
+// per block; MC the rows of A packed at a time (a multiple of MR); NC the columns of B (of
+// NR).
 template <typename T>
 struct Plan {
-  Kernel<T> kernel;
+  Kernel<T> kernel[17];
   int MR, NR;
   int64_t KC, MC, NC;
 };
+
+// The plan whose kernel[r] is Tiles::kernel<r>() for r = 1 .. MR.
+template <typename T, typename Tiles, int... R>
+Plan<T> make_plan(std::integer_sequence<int, R...>, int NR, int64_t KC, int64_t MC,
+                  int64_t NC) {
+  static_assert(sizeof...(R) <= 16, "at most 16 rows a tile");
+  Plan<T> plan{};
+  ((plan.kernel[R + 1] = Tiles::template kernel<R + 1>()), ...);
+  plan.MR = int(sizeof...(R)), plan.NR = NR, plan.KC = KC, plan.MC = MC, plan.NC = NC;
+  return plan;
+}
 
 // ---- The portable path: plain C++, std::fma, a 4 x 4 tile of scalars. ----
 // (On aarch64 std::fma is an instruction; on baseline x86-64 a call into libm, slow: there
 // the path serves the tests.)
 
-template <typename T>
+template <typename T, int MR>
 void kernel_portable(int64_t kc, const T* a, int64_t a_row, int64_t a_step, const T* b, T* c,
                      int64_t ldc, bool first) {
-  constexpr int MR = 4, NR = 4;
+  constexpr int NR = 4;
   T acc[MR][NR];
   for (int r = 0; r < MR; ++r)
     for (int q = 0; q < NR; ++q) acc[r][q] = first ? T(0) : c[r * ldc + q];
@@ -410,23 +424,55 @@ __attribute__((target("avx512f"))) void kernel_avx512(int64_t kc, const typename
 // accumulators fill most vector registers (AVX2: 6 x 16 floats in 12 of 16, AVX-512: 12 x 32
 // in 24 of 32); a B panel of KC steps stays in L1, an A block of MC x KC in L2, a B block of
 // KC x NC in L3.
+template <typename T>
+struct PortableTiles {
+  template <int R>
+  static Kernel<T> kernel() { return kernel_portable<T, R>; }
+};
+
+#if MINIGPT_GEMM_X86
+template <typename S, int NV>
+struct Avx2Tiles {
+  template <int R>
+  static Kernel<typename S::T> kernel() { return kernel_avx2<S, R, NV>; }
+};
+
+template <typename S, int NV>
+struct Avx512Tiles {
+  template <int R>
+  static Kernel<typename S::T> kernel() { return kernel_avx512<S, R, NV>; }
+};
+#endif
+
 inline Plan<float> plan_float(Path path) {
   switch (path) {
 #if MINIGPT_GEMM_X86
-    case Path::avx2: return {kernel_avx2<Avx2F, 6, 2>, 6, 16, 256, 144, 4080};
-    case Path::avx512: return {kernel_avx512<Avx512F, 12, 2>, 12, 32, 384, 240, 3072};
+    case Path::avx2:
+      return make_plan<float, Avx2Tiles<Avx2F, 2>>(std::make_integer_sequence<int, 6>(), 16,
+                                                   256, 144, 4080);
+    case Path::avx512:
+      return make_plan<float, Avx512Tiles<Avx512F, 2>>(std::make_integer_sequence<int, 12>(),
+                                                       32, 384, 240, 3072);
 #endif
-    default: return {kernel_portable<float>, 4, 4, 256, 64, 1024};
+    default:
+      return make_plan<float, PortableTiles<float>>(std::make_integer_sequence<int, 4>(), 4,
+                                                    256, 64, 1024);
   }
 }
 
 inline Plan<double> plan_double(Path path) {
   switch (path) {
 #if MINIGPT_GEMM_X86
-    case Path::avx2: return {kernel_avx2<Avx2D, 6, 2>, 6, 8, 256, 72, 4080};
-    case Path::avx512: return {kernel_avx512<Avx512D, 12, 2>, 12, 16, 384, 120, 3072};
+    case Path::avx2:
+      return make_plan<double, Avx2Tiles<Avx2D, 2>>(std::make_integer_sequence<int, 6>(), 8,
+                                                    256, 72, 4080);
+    case Path::avx512:
+      return make_plan<double, Avx512Tiles<Avx512D, 2>>(std::make_integer_sequence<int, 12>(),
+                                                        16, 384, 120, 3072);
 #endif
-    default: return {kernel_portable<double>, 4, 4, 256, 64, 1024};
+    default:
+      return make_plan<double, PortableTiles<double>>(std::make_integer_sequence<int, 4>(), 4,
+                                                      256, 64, 1024);
   }
 }
 
@@ -467,8 +513,7 @@ void run(const Product<T>& pr, const Plan<T>& plan) {
   T* const b_panels = scratch<T>(1, kc_max * nc_max);
   alignas(64) T edge[16 * 64] = {};  // an edge tile's chains (MR * NR <= 16 * 64)
   // An A whose rows or columns are contiguous (a matrix or its transposed view) is read in
-  // place by full tiles, only a tile of fewer than MR rows is packed: the same elements, in
-  // the same order, without the copy.
+  // place: the same elements, in the same order, without the copy.
   const bool a_in_place = pr.a_col == 1 || pr.a_row == 1;
 
   for (int64_t jc = 0; jc < N; jc += plan.NC) {
@@ -480,29 +525,28 @@ void run(const Product<T>& pr, const Plan<T>& plan) {
       for (int64_t ic = 0; ic < M; ic += plan.MC) {
         const int64_t mc = std::min(plan.MC, M - ic);
         const T* const a_block = pr.a + ic * pr.a_row + pc * pr.a_col;
-        const int64_t a_full = a_in_place ? mc / MR * MR : 0;  // rows read in place
-        pack_a(a_block + a_full * pr.a_row, pr.a_row, pr.a_col, mc - a_full, kc, MR,
-               a_panels + a_full * kc);
+        if (!a_in_place) pack_a(a_block, pr.a_row, pr.a_col, mc, kc, MR, a_panels);
         for (int64_t jr = 0; jr < nc; jr += NR) {
           const int64_t cols = std::min<int64_t>(NR, nc - jr);
           const T* b = b_panels + jr * kc;
           for (int64_t ir = 0; ir < mc; ir += MR) {
             const int64_t rows = std::min<int64_t>(MR, mc - ir);
-            const bool packed = ir >= a_full;
-            const T* a = packed ? a_panels + ir * kc : a_block + ir * pr.a_row;
-            const int64_t a_row = packed ? 1 : pr.a_row, a_step = packed ? MR : pr.a_col;
+            const T* a = a_in_place ? a_block + ir * pr.a_row : a_panels + ir * kc;
+            const int64_t a_row = a_in_place ? pr.a_row : 1;
+            const int64_t a_step = a_in_place ? pr.a_col : MR;
+            const Kernel<T> kernel = plan.kernel[rows];
             const int64_t i = ic + ir, j = jc + jr;
             T* c = pr.c + i * pr.ldc + j;
-            if (rows == MR && cols == NR) {
-              plan.kernel(kc, a, a_row, a_step, b, c, pr.ldc, first);
+            if (cols == NR) {
+              kernel(kc, a, a_row, a_step, b, c, pr.ldc, first);
             } else {
-              // An edge tile: the same chains, in a full tile whose rows and columns past
-              // the edge are zeros and are never stored.
+              // The last columns: the same chains, in a full-width tile whose columns past
+              // the edge are zeros (the packed B's) and are never stored.
               if (!first) {
                 for (int64_t r = 0; r < rows; ++r)
                   std::memcpy(edge + r * NR, c + r * pr.ldc, cols * sizeof(T));
               }
-              plan.kernel(kc, a, a_row, a_step, b, edge, NR, first);
+              kernel(kc, a, a_row, a_step, b, edge, NR, first);
               for (int64_t r = 0; r < rows; ++r)
                 std::memcpy(c + r * pr.ldc, edge + r * NR, cols * sizeof(T));
             }

@@ -236,16 +236,14 @@ bool tiles_of_avx512 = false;
 template <typename T>
 g::detail::Plan<T> avx512_tiles() {
 #if MINIGPT_GEMM_X86
-  g::detail::Plan<T> plan = g::detail::plan(g::Path::avx512, T());
-  if constexpr (sizeof(T) == 4) {
-    plan.kernel = g::detail::kernel_avx2<g::detail::Avx2F, 12, 4>;
-  } else {
-    plan.kernel = g::detail::kernel_avx2<g::detail::Avx2D, 12, 4>;
-  }
-  if (plan.MR != 12 || plan.NR != 4 * 32 / int(sizeof(T))) {
+  namespace d = g::detail;
+  const d::Plan<T> avx512 = d::plan(g::Path::avx512, T());
+  if (avx512.MR != 12 || avx512.NR != 4 * 32 / int(sizeof(T))) {
     throw std::logic_error("the AVX-512 tile is no longer 12 x 2 vectors: update avx512_tiles");
   }
-  return plan;
+  using S = std::conditional_t<sizeof(T) == 4, d::Avx2F, d::Avx2D>;
+  return d::make_plan<T, d::Avx2Tiles<S, 4>>(std::make_integer_sequence<int, 12>(), avx512.NR,
+                                             avx512.KC, avx512.MC, avx512.NC);
 #else
   throw std::invalid_argument("avx512-tiles runs on x86-64 only");
 #endif
