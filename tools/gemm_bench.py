@@ -8,8 +8,9 @@ PyTorch in this process (one thread, MINIGPT_PRODUCTS=native: MKL, as pinned by 
 MKL_CBWR), one after the other, and prints each one's median GFLOP/s over the rounds. Each
 timing runs the product for at least --least seconds. The shapes are the largest of
 tests/notebooks/products.json: a linear layer's forward pass (X W^T, "nt", with its bias), its
-gradients (dY W, "nn"; dY^T X, "tn"), and one head of attention (Q K^T and P V: a bmm's
-per-batch product; PyTorch runs it as a bmm of BATCH heads and is credited per head).
+gradients (dY W, "nn"; dY^T X, "tn"), one head of attention (Q K^T and P V: a bmm's
+per-batch product; PyTorch runs it as a bmm of BATCH heads and is credited per head), and
+decoding's thin products (one row, eight rows).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ SHAPES = [
     ("dW   (128x768)^T(768x512)", 128, 512, 768, "tn", "none"),
     ("attn (256x32)(32x256) QK^T", 256, 256, 32, "nt", "none"),
     ("attn (256x256)(256x32) PV", 256, 32, 256, "nn", "none"),
+    ("dec  (1x128)(128x384)", 1, 384, 128, "nt", "row"),
+    ("dec  (8x128)(128x512)", 8, 512, 128, "nt", "row"),
 ]
 BATCH = 16
 
