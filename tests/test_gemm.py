@@ -141,21 +141,40 @@ EXTRA = (
 )
 
 
-def compile_checker(tmp: Path, compiler: str, extra: list[str]) -> Path:
-    found = shutil.which(compiler)
-    if found is None:
-        package = "g++-aarch64-linux-gnu (`make system-deps`)" if "aarch64" in compiler else "g++"
-        pytest.fail(f"{compiler} is not installed: the gemm checker needs it; install Debian's "
-                    f"{package}")
-    binary = tmp / ("check-" + compiler)
-    subprocess.run([found, *FLAGS, *extra, str(SOURCE), "-o", str(binary)], check=True,
-                   capture_output=True, text=True)
-    return binary
+class Build:
+    """A compilation of the checker, started at once and waited for when its binary is
+    wanted: the native and the aarch64 builds run side by side (each takes seconds)."""
+
+    def __init__(self, tmp: Path, compiler: str, extra: list[str]) -> None:
+        self.compiler, self.binary = compiler, tmp / ("check-" + compiler)
+        found = shutil.which(compiler)
+        self.process = None if found is None else subprocess.Popen(
+            [found, *FLAGS, *extra, str(SOURCE), "-o", str(self.binary)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def wait(self) -> Path:
+        if self.process is None:
+            package = ("g++-aarch64-linux-gnu (`make system-deps`)"
+                       if "aarch64" in self.compiler else "g++")
+            pytest.fail(f"{self.compiler} is not installed: the gemm checker needs it; install "
+                        f"Debian's {package}")
+        output, _ = self.process.communicate()
+        assert self.process.returncode == 0, f"{self.compiler} failed:\n{output}"
+        return self.binary
 
 
 @pytest.fixture(scope="module")
-def checker(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return compile_checker(tmp_path_factory.mktemp("gemm"), "g++", [])
+def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Build]:
+    tmp = tmp_path_factory.mktemp("gemm")
+    started = {"native": Build(tmp, "g++", [])}
+    if X86:
+        started["aarch64"] = Build(tmp, "aarch64-linux-gnu-g++", ["-static"])
+    return started
+
+
+@pytest.fixture(scope="module")
+def checker(builds: dict[str, Build]) -> Path:
+    return builds["native"].wait()
 
 
 def run(binary: Path | list[str], mode: str, path: str, lines: tuple[str, ...]) -> list[str]:
@@ -233,14 +252,14 @@ def test_rows_and_rectangles_are_independent(checker: Path, mode: str) -> None:
         assert all(" ok " in line for line in out)
 
 
-def test_aarch64_hashes_equal_x86(checker: Path, tmp_path: Path) -> None:
+def test_aarch64_hashes_equal_x86(checker: Path, builds: dict[str, Build]) -> None:
     """The checker cross-compiled for aarch64 (static) and run under qemu-aarch64 prints the
     same hashes, on the reduced census, as this machine's portable path, and on x86-64 as
     each of its vector paths; its portable path equals the reference there too (g++ fuses an
     unfenced epilogue on aarch64, where fma is a baseline instruction)."""
     if not X86:
         pytest.skip("the cross-build test runs on x86-64 hosts")
-    arm = compile_checker(tmp_path, "aarch64-linux-gnu-g++", ["-static"])
+    arm = builds["aarch64"].wait()
     qemu = shutil.which("qemu-aarch64")
     if qemu is None:
         pytest.fail("qemu-aarch64 is not installed (`make system-deps` installs qemu-user)")

@@ -241,7 +241,9 @@ void finish(const Product<T>& pr, int64_t i, int64_t j, T* c, int64_t rows, int6
     }
     if (add) {
       const T* bias = pr.bias + (i + r) * pr.bias_row + j * pr.bias_col;
-      if (pr.beta == T(1)) {
+      if (pr.beta == T(1) && pr.bias_col == 1) {  // the common case, vectorised by the compiler
+        for (int64_t q = 0; q < cols; ++q) out[q] = out[q] + bias[q];
+      } else if (pr.beta == T(1)) {
         for (int64_t q = 0; q < cols; ++q) out[q] = out[q] + bias[q * pr.bias_col];
       } else {
         for (int64_t q = 0; q < cols; ++q) {
@@ -257,9 +259,19 @@ void finish(const Product<T>& pr, int64_t i, int64_t j, T* c, int64_t rows, int6
 // (r, p) at a[r*a_row + p*a_step] (a packed panel: a_row 1, a_step MR; rows of A read in
 // place: a_row its row stride, a_step 1) and a B panel (b[p*NR + c]); the accumulators start
 // at +0.0 if `first`, else from c (the partial sums a previous block stored), and end in c.
+// With `last` (not null), the kernel also applies the epilogue before it stores the tile: a
+// full-width tile's bias is then read as whole vectors.
+template <typename T>
+struct Epilogue {
+  bool scale, add;  // alpha != 1; a bias with beta != 0
+  T alpha, beta;
+  const T* bias;  // the tile's first entry of the bias
+  int64_t bias_row, bias_col;
+};
+
 template <typename T>
 using Kernel = void (*)(int64_t kc, const T* a, int64_t a_row, int64_t a_step, const T* b, T* c,
-                        int64_t ldc, bool first);
+                        int64_t ldc, bool first, const Epilogue<T>* last);
 
 // A path's kernels and its blocking: MR x NR the register tile, kernel[r] the kernel of a
 // tile of r rows (1 <= r <= MR: the last rows of C need no wasted ones); KC the steps of p
@@ -289,7 +301,7 @@ Plan<T> make_plan(std::integer_sequence<int, R...>, int NR, int64_t KC, int64_t 
 
 template <typename T, int MR>
 void kernel_portable(int64_t kc, const T* a, int64_t a_row, int64_t a_step, const T* b, T* c,
-                     int64_t ldc, bool first) {
+                     int64_t ldc, bool first, const Epilogue<T>* last) {
   constexpr int NR = 4;
   T acc[MR][NR];
   for (int r = 0; r < MR; ++r)
@@ -298,6 +310,17 @@ void kernel_portable(int64_t kc, const T* a, int64_t a_row, int64_t a_step, cons
     for (int r = 0; r < MR; ++r)
       for (int q = 0; q < NR; ++q)
         acc[r][q] = std::fma(a[r * a_row + p * a_step], b[p * NR + q], acc[r][q]);
+  }
+  if (last) {
+    for (int r = 0; r < MR; ++r)
+      for (int q = 0; q < NR; ++q) {
+        if (last->scale) acc[r][q] = acc[r][q] * last->alpha;
+        if (last->add) {
+          T term = last->bias[r * last->bias_row + q * last->bias_col];
+          if (last->beta != T(1)) term = last->beta * term;
+          acc[r][q] = acc[r][q] + term;
+        }
+      }
   }
   for (int r = 0; r < MR; ++r)
     for (int q = 0; q < NR; ++q) c[r * ldc + q] = acc[r][q];
@@ -320,6 +343,9 @@ struct Avx2F {
   static MINIGPT_AVX2 void store(T* p, V v) { _mm256_storeu_ps(p, v); }
   static MINIGPT_AVX2 V broadcast(const T* p) { return _mm256_broadcast_ss(p); }
   static MINIGPT_AVX2 V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static MINIGPT_AVX2 V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static MINIGPT_AVX2 V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static MINIGPT_AVX2 V set1(T x) { return _mm256_set1_ps(x); }
 };
 
 struct Avx2D {
@@ -331,13 +357,51 @@ struct Avx2D {
   static MINIGPT_AVX2 void store(T* p, V v) { _mm256_storeu_pd(p, v); }
   static MINIGPT_AVX2 V broadcast(const T* p) { return _mm256_broadcast_sd(p); }
   static MINIGPT_AVX2 V fma(V a, V b, V c) { return _mm256_fmadd_pd(a, b, c); }
+  static MINIGPT_AVX2 V mul(V a, V b) { return _mm256_mul_pd(a, b); }
+  static MINIGPT_AVX2 V add(V a, V b) { return _mm256_add_pd(a, b); }
+  static MINIGPT_AVX2 V set1(T x) { return _mm256_set1_pd(x); }
 };
+
+// The epilogue on a tile's accumulators: two roundings each, as `finish` (explicit
+// multiplies and adds, never fused: -ffp-contract=off).
+template <typename S, int MR, int NV>
+__attribute__((target("avx2,fma"), always_inline)) inline void epilogue(
+    typename S::V (&acc)[MR][NV], const Epilogue<typename S::T>& e) {
+  using T = typename S::T;
+  if (e.scale) {
+    const typename S::V alpha = S::set1(e.alpha);
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[r][v] = S::mul(acc[r][v], alpha);
+  }
+  if (e.add) {
+    const typename S::V beta = S::set1(e.beta);
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) {
+        const T* src = e.bias + r * e.bias_row + v * S::W * e.bias_col;
+        typename S::V term;
+        if (e.bias_col == 1) {
+          term = S::load(src);
+        } else {
+          alignas(64) T lanes[S::W];
+          for (int l = 0; l < S::W; ++l) lanes[l] = src[l * e.bias_col];
+          term = S::load(lanes);
+        }
+        if (e.beta != T(1)) term = S::mul(beta, term);
+        acc[r][v] = S::add(acc[r][v], term);
+      }
+  }
+}
 
 template <typename S, int MR, int NV>
 __attribute__((target("avx2,fma"))) void kernel_avx2(int64_t kc, const typename S::T* a,
                                                      int64_t a_row, int64_t a_step,
                                                      const typename S::T* b, typename S::T* c,
-                                                     int64_t ldc, bool first) {
+                                                     int64_t ldc, bool first,
+                                                     const Epilogue<typename S::T>* last) {
   constexpr int NR = NV * S::W;
   typename S::V acc[MR][NV];
 #pragma GCC unroll 16
@@ -355,6 +419,7 @@ __attribute__((target("avx2,fma"))) void kernel_avx2(int64_t kc, const typename 
       for (int v = 0; v < NV; ++v) acc[r][v] = S::fma(x, row[v], acc[r][v]);
     }
   }
+  if (last) epilogue<S, MR, NV>(acc, *last);
 #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
@@ -374,6 +439,9 @@ struct Avx512F {
   static MINIGPT_AVX512 void store(T* p, V v) { _mm512_storeu_ps(p, v); }
   static MINIGPT_AVX512 V broadcast(const T* p) { return _mm512_set1_ps(*p); }
   static MINIGPT_AVX512 V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static MINIGPT_AVX512 V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static MINIGPT_AVX512 V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static MINIGPT_AVX512 V set1(T x) { return _mm512_set1_ps(x); }
 };
 
 struct Avx512D {
@@ -385,13 +453,50 @@ struct Avx512D {
   static MINIGPT_AVX512 void store(T* p, V v) { _mm512_storeu_pd(p, v); }
   static MINIGPT_AVX512 V broadcast(const T* p) { return _mm512_set1_pd(*p); }
   static MINIGPT_AVX512 V fma(V a, V b, V c) { return _mm512_fmadd_pd(a, b, c); }
+  static MINIGPT_AVX512 V mul(V a, V b) { return _mm512_mul_pd(a, b); }
+  static MINIGPT_AVX512 V add(V a, V b) { return _mm512_add_pd(a, b); }
+  static MINIGPT_AVX512 V set1(T x) { return _mm512_set1_pd(x); }
 };
+
+// The same epilogue for AVX-512 tiles.
+template <typename S, int MR, int NV>
+__attribute__((target("avx512f"), always_inline)) inline void epilogue512(
+    typename S::V (&acc)[MR][NV], const Epilogue<typename S::T>& e) {
+  using T = typename S::T;
+  if (e.scale) {
+    const typename S::V alpha = S::set1(e.alpha);
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[r][v] = S::mul(acc[r][v], alpha);
+  }
+  if (e.add) {
+    const typename S::V beta = S::set1(e.beta);
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) {
+        const T* src = e.bias + r * e.bias_row + v * S::W * e.bias_col;
+        typename S::V term;
+        if (e.bias_col == 1) {
+          term = S::load(src);
+        } else {
+          alignas(64) T lanes[S::W];
+          for (int l = 0; l < S::W; ++l) lanes[l] = src[l * e.bias_col];
+          term = S::load(lanes);
+        }
+        if (e.beta != T(1)) term = S::mul(beta, term);
+        acc[r][v] = S::add(acc[r][v], term);
+      }
+  }
+}
 
 template <typename S, int MR, int NV>
 __attribute__((target("avx512f"))) void kernel_avx512(int64_t kc, const typename S::T* a,
                                                       int64_t a_row, int64_t a_step,
                                                       const typename S::T* b, typename S::T* c,
-                                                      int64_t ldc, bool first) {
+                                                      int64_t ldc, bool first,
+                                                      const Epilogue<typename S::T>* last) {
   constexpr int NR = NV * S::W;
   typename S::V acc[MR][NV];
 #pragma GCC unroll 16
@@ -409,6 +514,7 @@ __attribute__((target("avx512f"))) void kernel_avx512(int64_t kc, const typename
       for (int v = 0; v < NV; ++v) acc[r][v] = S::fma(x, row[v], acc[r][v]);
     }
   }
+  if (last) epilogue512<S, MR, NV>(acc, *last);
 #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
@@ -515,6 +621,8 @@ void run(const Product<T>& pr, const Plan<T>& plan) {
   // An A whose rows or columns are contiguous (a matrix or its transposed view) is read in
   // place: the same elements, in the same order, without the copy.
   const bool a_in_place = pr.a_col == 1 || pr.a_row == 1;
+  Epilogue<T> ep{pr.alpha != T(1), pr.bias != nullptr && pr.beta != T(0), pr.alpha, pr.beta,
+                 nullptr, pr.bias_row, pr.bias_col};
 
   for (int64_t jc = 0; jc < N; jc += plan.NC) {
     const int64_t nc = std::min(plan.NC, N - jc);
@@ -538,7 +646,12 @@ void run(const Product<T>& pr, const Plan<T>& plan) {
             const int64_t i = ic + ir, j = jc + jr;
             T* c = pr.c + i * pr.ldc + j;
             if (cols == NR) {
-              kernel(kc, a, a_row, a_step, b, c, pr.ldc, first);
+              const Epilogue<T>* ending = nullptr;
+              if (last && (ep.scale || ep.add)) {
+                ep.bias = ep.add ? pr.bias + i * pr.bias_row + j * pr.bias_col : nullptr;
+                ending = &ep;
+              }
+              kernel(kc, a, a_row, a_step, b, c, pr.ldc, first, ending);
             } else {
               // The last columns: the same chains, in a full-width tile whose columns past
               // the edge are zeros (the packed B's) and are never stored.
@@ -546,11 +659,11 @@ void run(const Product<T>& pr, const Plan<T>& plan) {
                 for (int64_t r = 0; r < rows; ++r)
                   std::memcpy(edge + r * NR, c + r * pr.ldc, cols * sizeof(T));
               }
-              kernel(kc, a, a_row, a_step, b, edge, NR, first);
+              kernel(kc, a, a_row, a_step, b, edge, NR, first, nullptr);
               for (int64_t r = 0; r < rows; ++r)
                 std::memcpy(c + r * pr.ldc, edge + r * NR, cols * sizeof(T));
+              if (last) finish(pr, i, j, c, rows, cols);
             }
-            if (last) finish(pr, i, j, c, rows, cols);
           }
         }
       }

@@ -229,9 +229,55 @@ std::vector<T> initial(const Problem<T>& pb) {
 }
 
 // The path "avx512-tiles" (tiles_of_avx512): the AVX-512 path's plan, its tile shape and
-// blocks, run by the AVX2 kernel with a tile of that shape (4 vectors of 8 floats or 4
-// doubles a row): what the AVX-512 path does, but for its instructions, on a CPU without them.
+// blocks, run by AVX2 instructions (4 vectors of 8 floats or 4 doubles a row of the tile):
+// what the AVX-512 path does, but for its instructions, on a CPU without them.
 bool tiles_of_avx512 = false;
+
+#if MINIGPT_GEMM_X86
+// gemm.h's kernel_avx512 with AVX2 instructions, its accumulators in memory (12 x 4 vectors
+// do not fit 16 registers, and unrolled they take long to compile); then the epilogue.
+template <typename S, int MR, int NV>
+__attribute__((target("avx2,fma"))) void kernel_emulated(
+    int64_t kc, const typename S::T* a, int64_t a_row, int64_t a_step, const typename S::T* b,
+    typename S::T* c, int64_t ldc, bool first, const g::detail::Epilogue<typename S::T>* last) {
+  constexpr int NR = NV * S::W;
+  typename S::V acc[MR][NV];
+#pragma GCC unroll 1
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = first ? S::zero() : S::load(c + r * ldc + v * S::W);
+  for (int64_t p = 0; p < kc; ++p) {
+#pragma GCC unroll 1
+    for (int r = 0; r < MR; ++r) {
+      const typename S::V x = S::broadcast(a + r * a_row + p * a_step);
+#pragma GCC unroll 1
+      for (int v = 0; v < NV; ++v) acc[r][v] = S::fma(x, S::load(b + p * NR + v * S::W), acc[r][v]);
+    }
+  }
+#pragma GCC unroll 1
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) S::store(c + r * ldc + v * S::W, acc[r][v]);
+  if (!last) return;
+  using T = typename S::T;
+#pragma GCC unroll 1
+  for (int r = 0; r < MR; ++r)
+    for (int q = 0; q < NR; ++q) {  // the epilogue, an entry at a time
+      T value = c[r * ldc + q];
+      if (last->scale) value = value * last->alpha;
+      if (last->add) {
+        T term = last->bias[r * last->bias_row + q * last->bias_col];
+        if (last->beta != T(1)) term = last->beta * term;
+        value = value + term;
+      }
+      c[r * ldc + q] = value;
+    }
+}
+
+template <typename S, int NV>
+struct EmulatedTiles {
+  template <int R>
+  static g::detail::Kernel<typename S::T> kernel() { return kernel_emulated<S, R, NV>; }
+};
+#endif
 
 template <typename T>
 g::detail::Plan<T> avx512_tiles() {
@@ -242,8 +288,8 @@ g::detail::Plan<T> avx512_tiles() {
     throw std::logic_error("the AVX-512 tile is no longer 12 x 2 vectors: update avx512_tiles");
   }
   using S = std::conditional_t<sizeof(T) == 4, d::Avx2F, d::Avx2D>;
-  return d::make_plan<T, d::Avx2Tiles<S, 4>>(std::make_integer_sequence<int, 12>(), avx512.NR,
-                                             avx512.KC, avx512.MC, avx512.NC);
+  return d::make_plan<T, EmulatedTiles<S, 4>>(std::make_integer_sequence<int, 12>(), avx512.NR,
+                                              avx512.KC, avx512.MC, avx512.NC);
 #else
   throw std::invalid_argument("avx512-tiles runs on x86-64 only");
 #endif
