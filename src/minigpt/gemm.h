@@ -19,7 +19,9 @@
 //
 // Blocking over p (kc at a time, for the caches) continues the chain: the accumulator is
 // stored in C exactly (same type), reloaded and carried on in order; alpha and the bias come
-// after p = K-1 only. Beta == 0 ignores the bias, NaN included, as BLAS does.
+// after p = K-1 only. Beta == 0 ignores the bias, NaN included, as BLAS does. Tiles at the
+// edges of C run the same chains (B's panels are padded with zeros, a tile of fewer rows has
+// a kernel of its own), so an entry's bits never depend on where it falls in a tile.
 //
 // Build with -ffp-contract=off (and no -ffast-math): otherwise the compiler may fuse the
 // epilogue's `acc * alpha` or `beta * bias` with the addition that follows, one rounding
@@ -227,8 +229,9 @@ void pack_b(const T* b, int64_t b_row, int64_t b_col, int64_t kc, int64_t nc, in
   }
 }
 
-// The epilogue, on a finished tile of `rows` x `cols` entries at c: two roundings, never one
-// (hence -ffp-contract=off).
+// The epilogue on `rows` x `cols` finished entries at c (a tile of the last columns, or all
+// of C when K = 0; the kernels apply it to the other tiles): two roundings, never one (hence
+// -ffp-contract=off).
 template <typename T>
 void finish(const Product<T>& pr, int64_t i, int64_t j, T* c, int64_t rows, int64_t cols) {
   const bool scale = pr.alpha != T(1);
@@ -256,11 +259,10 @@ void finish(const Product<T>& pr, int64_t i, int64_t j, T* c, int64_t rows, int6
 }
 
 // A micro-kernel: the chains of an MR x NR tile carried on for kc steps, over A's element
-// (r, p) at a[r*a_row + p*a_step] (a packed panel: a_row 1, a_step MR; rows of A read in
-// place: a_row its row stride, a_step 1) and a B panel (b[p*NR + c]); the accumulators start
-// at +0.0 if `first`, else from c (the partial sums a previous block stored), and end in c.
-// With `last` (not null), the kernel also applies the epilogue before it stores the tile: a
-// full-width tile's bias is then read as whole vectors.
+// (r, p) at a[r*a_row + p*a_step] (a packed panel: a_row 1, a_step MR; A read in place: its
+// own strides) and a B panel (b[p*NR + c]); the accumulators start at +0.0 if `first`, else
+// from c (the partial sums a previous block stored), and end in c. With `last` (not null,
+// after the block that ends at p = K-1) the kernel applies the epilogue before it stores.
 template <typename T>
 struct Epilogue {
   bool scale, add;  // alpha != 1; a bias with beta != 0
@@ -274,9 +276,9 @@ using Kernel = void (*)(int64_t kc, const T* a, int64_t a_row, int64_t a_step, c
                         int64_t ldc, bool first, const Epilogue<T>* last);
 
 // A path's kernels and its blocking: MR x NR the register tile, kernel[r] the kernel of a
-// tile of r rows (1 <= r <= MR: the last rows of C need no wasted ones); KC the steps of p
-// per block; MC the rows of A packed at a time (a multiple of MR); NC the columns of B (of
-// NR).
+// tile of r rows (1 <= r <= MR: the last rows of C, and a single row, waste no fmas); KC the
+// steps of p per block; MC the rows of A a block takes (a multiple of MR); NC the columns of
+// B packed at a time (a multiple of NR).
 template <typename T>
 struct Plan {
   Kernel<T> kernel[17];
