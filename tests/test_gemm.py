@@ -2,8 +2,9 @@
 order that file states, bit for bit, on the shapes the book computes.
 
 The checker tests/gemm/check.cpp is compiled with g++ (and, for the aarch64 test, with
-aarch64-linux-gnu-g++ and run under qemu-aarch64); it makes each product's inputs from the
-product's line alone, so two builds on two machines see the same inputs.
+aarch64-linux-gnu-g++ and run under qemu-aarch64; both builds are kept in the cache under
+the hash of their sources, flags and compiler, `Build`); it makes each product's inputs from
+the product's line alone, so two builds on two machines see the same inputs.
 
 The shapes are the census's (tests/notebooks/products.json, "set-up" and "chapters": every
 product the book computes), reduced so that the whole module runs in well under a minute on a
@@ -30,6 +31,7 @@ chain): test_rows_and_rectangles_are_independent checks that on every path.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -39,6 +41,8 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+
+from minigpt.files import cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "tests" / "gemm" / "check.cpp"
@@ -143,32 +147,48 @@ EXTRA = (
 
 class Build:
     """A compilation of the checker, started at once and waited for when its binary is
-    wanted: the native and the aarch64 builds run side by side (each takes seconds)."""
+    wanted: the native and the aarch64 builds run side by side. The binary is kept in the
+    cache (gemm-check/ under $MINIGPT_CACHE) under the hash of all that makes it (the
+    compiler's version, the flags, gemm.h and check.cpp): the next run with the same sources
+    takes it from there instead of compiling again."""
 
-    def __init__(self, tmp: Path, compiler: str, extra: list[str]) -> None:
-        self.compiler, self.binary = compiler, tmp / ("check-" + compiler)
+    def __init__(self, compiler: str, extra: list[str]) -> None:
+        self.compiler, self.process = compiler, None
         found = shutil.which(compiler)
-        self.process = None if found is None else subprocess.Popen(
-            [found, *FLAGS, *extra, str(SOURCE), "-o", str(self.binary)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if found is None:
+            self.binary = None
+            return
+        command = [found, *FLAGS, *extra, str(SOURCE)]
+        version = subprocess.run([found, "--version"], capture_output=True, text=True).stdout
+        digest = hashlib.sha256("\0".join([version, *command]).encode()
+                                + HEADER.read_bytes() + SOURCE.read_bytes()).hexdigest()
+        self.binary = cache_dir() / "gemm-check" / f"{compiler}-{digest[:20]}"
+        if not self.binary.exists():
+            self.binary.parent.mkdir(parents=True, exist_ok=True)
+            self.partial = self.binary.with_suffix(f".{os.getpid()}.partial")
+            self.process = subprocess.Popen([*command, "-o", str(self.partial)],
+                                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                            text=True)
 
     def wait(self) -> Path:
-        if self.process is None:
+        if self.binary is None:
             package = ("g++-aarch64-linux-gnu (`make system-deps`)"
                        if "aarch64" in self.compiler else "g++")
             pytest.fail(f"{self.compiler} is not installed: the gemm checker needs it; install "
                         f"Debian's {package}")
-        output, _ = self.process.communicate()
-        assert self.process.returncode == 0, f"{self.compiler} failed:\n{output}"
+        if self.process is not None:
+            output, _ = self.process.communicate()
+            assert self.process.returncode == 0, f"{self.compiler} failed:\n{output}"
+            os.replace(self.partial, self.binary)
+            self.process = None
         return self.binary
 
 
 @pytest.fixture(scope="module")
-def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Build]:
-    tmp = tmp_path_factory.mktemp("gemm")
-    started = {"native": Build(tmp, "g++", [])}
+def builds() -> dict[str, Build]:
+    started = {"native": Build("g++", [])}
     if X86:
-        started["aarch64"] = Build(tmp, "aarch64-linux-gnu-g++", ["-static"])
+        started["aarch64"] = Build("aarch64-linux-gnu-g++", ["-static"])
     return started
 
 
