@@ -147,15 +147,19 @@ playground: $(STAMP) $(NPM_STAMP) assets
 # test drives /usr/bin/chromium through /usr/bin/chromedriver, nothing is downloaded),
 # an emoji font and a CJK one (1.8 MB), without which the PDF (make pdf) prints the
 # chapters' emoji and Japanese examples as blanks, and, on x86-64, qemu-user, whose
-# qemu-x86_64 runs the venv as an Intel and as an AMD CPU would for tests/test_same_bits.py.
+# qemu-x86_64 runs the venv as an Intel and as an AMD CPU would for tests/test_same_bits.py,
+# and g++-aarch64-linux-gnu, whose build of tests/gemm/check.cpp runs under qemu-aarch64 for
+# tests/test_gemm.py (the same bits on aarch64).
 EMOJI_FONT := /usr/share/fonts/truetype/noto/NotoColorEmoji.ttf
 CJK_FONT := /usr/share/fonts/truetype/droid/DroidSansFallbackFull.ttf
 SYSTEM_PACKAGES := chromium chromium-driver fonts-noto-color-emoji fonts-droid-fallback \
-	$(if $(filter x86_64,$(shell uname -m)),qemu-user)
+	$(if $(filter x86_64,$(shell uname -m)),qemu-user g++-aarch64-linux-gnu)
 QEMU := $(if $(filter x86_64,$(shell uname -m)),/usr/bin/qemu-x86_64)
+CROSS_CXX := $(if $(filter x86_64,$(shell uname -m)),/usr/bin/aarch64-linux-gnu-g++)
 system-deps:
 	@if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ] || [ ! -f $(EMOJI_FONT) ] \
-			|| [ ! -f $(CJK_FONT) ] || [ -n "$(QEMU)" -a ! -x "$(QEMU)" ]; then \
+			|| [ ! -f $(CJK_FONT) ] || [ -n "$(QEMU)" -a ! -x "$(QEMU)" ] \
+			|| [ -n "$(CROSS_CXX)" -a ! -x "$(CROSS_CXX)" ]; then \
 		echo "installing Debian's $(SYSTEM_PACKAGES)"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 			$(SYSTEM_PACKAGES) >/dev/null; \
