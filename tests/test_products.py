@@ -1,11 +1,11 @@
 """The package's matrix products (minigpt.products): what each kernel computes, bit for bit.
 
-Each product is compared with the order the module promises, computed here another way: a
-product MKL computes is the sum of MKL's own products of its blocks of `BLOCK` inner terms
-(PyTorch's ``mm.out``, which the kernels leave alone), added left to right after the bias;
-a thin product (and every float64 one) is the plain left-to-right sum of its terms, written
-out with elementwise float operations. That these orders give the same bits on an Intel and
-an AMD CPU is tests/test_same_bits.py's part.
+Each product is compared with the order the module promises, computed here another way: each
+entry the chain of fused multiply-adds over its inner dimension in order, then alpha, then
+the bias (`minigpt.products.chain_order`, written with elementwise float64 operations that
+round as one fma does). That the order gives the same bits on every CPU path and thread count
+is tests/test_gemm.py's part (the kernels' core alone) and tests/test_same_bits.py's (whole
+runs under emulated CPUs); here the same for the products PyTorch hands the package.
 """
 
 from __future__ import annotations
@@ -31,89 +31,92 @@ def _random(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> t
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
 
 
-def _blocks(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """MKL's products of the blocks, added left to right, the bias after the first."""
-    mkl = torch.ops.aten.bmm.out if a.dim() == 3 else torch.ops.aten.mm.out
-    out = None
-    for start in range(0, a.shape[-1], products.BLOCK):
-        stop = start + products.BLOCK
-        part = mkl(a[..., start:stop], b[..., start:stop, :],
-                   out=a.new_empty((*a.shape[:-1], b.shape[-1])))
-        if out is None:
-            out = part if bias is None else part + bias
-        else:
-            out = out + part
-    assert out is not None
+def _chains(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
+            alpha: float = 1.0, beta: float = 1.0) -> torch.Tensor:
+    """The package's order, written out: the chains, then alpha, then beta times the bias."""
+    out = products.chain_order(a, b)
+    if alpha != 1.0:
+        out = out * alpha
+    if bias is not None and beta != 0.0:
+        out = out + (bias if beta == 1.0 else beta * bias)
     return out
 
 
-@pytest.mark.parametrize("k", [1, 64, 191, 192, 193, 256, 384, 500])
-def test_a_product_is_the_sum_of_its_blocks(k: int) -> None:
-    a, b, bias = _random(24, k, seed=1), _random(k, 40, seed=2), _random(40, seed=3)
-    assert torch.equal(a @ b, _blocks(a, b))
-    assert torch.equal(torch.mm(a, b), _blocks(a, b))
-    assert torch.equal(torch.addmm(bias, a, b), _blocks(a, b, bias))
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 1, 1), (1, 64, 384), (2, 200, 3),
+                                           (7, 300, 13), (24, 193, 40), (50, 64, 97)])
+def test_a_product_is_its_chains(m: int, k: int, n: int) -> None:
+    a, b, bias = _random(m, k, seed=1), _random(k, n, seed=2), _random(n, seed=3)
+    assert torch.equal(a @ b, _chains(a, b))
+    assert torch.equal(torch.addmm(bias, a, b), _chains(a, b, bias))
     # nn.Linear's layout: x W^T, the weight read transposed
     w = b.t().contiguous()
-    assert torch.equal(F.linear(a, w, bias), _blocks(a, w.t(), bias))
+    assert torch.equal(F.linear(a, w, bias), _chains(a, b, bias))
     # a batch of matrices, and a batch read transposed
-    x, y = _random(3, 16, k, seed=4), _random(3, k, 20, seed=5)
-    assert torch.equal(torch.bmm(x, y), _blocks(x, y))
-    assert torch.equal(x @ y, _blocks(x, y))
+    x, y = _random(3, m, k, seed=4), _random(3, k, n, seed=5)
+    assert torch.equal(torch.bmm(x, y), _chains(x, y))
     yt = y.transpose(1, 2).contiguous().transpose(1, 2)
-    assert torch.equal(torch.bmm(x, yt), _blocks(x, yt))
-    base = _random(3, 16, 20, seed=6)
-    assert torch.equal(torch.baddbmm(base, x, y), _blocks(x, y, base))
+    assert torch.equal(torch.bmm(x, yt), _chains(x, y))
+    base = _random(3, m, n, seed=6)
+    assert torch.equal(torch.baddbmm(base, x, y), _chains(x, y, base))
 
 
-def test_alpha_scales_each_block_and_beta_the_bias() -> None:
+def test_alpha_scales_the_chain_and_beta_the_bias() -> None:
     a, b, bias = _random(8, 300, seed=1), _random(300, 16, seed=2), _random(8, 16, seed=3)
-    first = torch.ops.aten.mm.out(a[:, :192], b[:192], out=a.new_empty(8, 16)) * 0.5
-    expected = first + bias * 2.0
-    expected = expected + torch.ops.aten.mm.out(a[:, 192:], b[192:], out=a.new_empty(8, 16)) * 0.5
-    assert torch.equal(torch.addmm(bias, a, b, beta=2.0, alpha=0.5), expected)
+    assert torch.equal(torch.addmm(bias, a, b, beta=2.0, alpha=0.5),
+                       _chains(a, b, bias, alpha=0.5, beta=2.0))
     # beta 0 ignores the bias, NaN or not, as BLAS does
     nan = torch.full((8, 16), float("nan"))
-    assert torch.equal(torch.addmm(nan, a, b, beta=0), _blocks(a, b))
+    assert torch.equal(torch.addmm(nan, a, b, beta=0), _chains(a, b))
 
 
-@pytest.mark.parametrize(("m", "n"), [(1, 64), (2, 200), (3, 12), (4, 11), (64, 1), (5, 8),
-                                      (1, 1)])
-@pytest.mark.parametrize("k", [1, 7, 300])
-def test_a_thin_product_is_summed_in_the_packages_own_order(m: int, n: int, k: int) -> None:
-    assert m < products.MIN_ROWS or n < products.MIN_COLS
-    a, b, bias = _random(m, k, seed=1), _random(k, n, seed=2), _random(n, seed=3)
-    assert torch.equal(a @ b, products.thin_order(a, b))
-    assert torch.equal(torch.addmm(bias, a, b), products.thin_order(a, b) + bias)
-    w = b.t().contiguous()  # read transposed, as nn.Linear reads its weight
-    assert torch.equal(F.linear(a, w), products.thin_order(a, b))
-    x, y = _random(2, m, k, seed=4), _random(2, k, n, seed=5)
-    assert torch.equal(torch.bmm(x, y), products.thin_order(x, y))
+def test_a_row_is_the_same_bits_alone_or_with_others() -> None:
+    # One order for every shape: a row computed alone (a token decoded with a key-value
+    # cache) has the bits it has among 1, 5 or 300 rows (the same token in a training batch).
+    x, w, bias = _random(300, 128, seed=1), _random(384, 128, seed=2), _random(384, seed=3)
+    full = F.linear(x, w, bias)
+    for rows in (1, 5, 300):
+        assert torch.equal(F.linear(x[:rows], w, bias), full[:rows])
+    assert all(torch.equal(F.linear(x[i:i + 1], w, bias)[0], full[i]) for i in range(0, 300, 7))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_the_thread_count_changes_no_bit(threads: int) -> None:
+    a, b = _random(600, 384, seed=1), _random(384, 512, seed=2)
+    x, y = _random(12, 64, 32, seed=3), _random(12, 32, 64, seed=4)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        got = (a @ b, torch.bmm(x, y))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got[0][:40], _chains(a[:40], b)) and torch.equal(got[1], _chains(x, y))
 
 
 def test_vectors_and_float64_are_summed_in_the_packages_own_order() -> None:
     a, x, y = _random(20, 50, seed=1), _random(50, seed=2), _random(50, seed=3)
-    assert torch.equal(torch.mv(a, x), products.thin_order(a, x[:, None])[:, 0])
-    assert torch.equal(a @ x, products.thin_order(a, x[:, None])[:, 0])
+    assert torch.equal(torch.mv(a, x), _chains(a, x[:, None])[:, 0])
+    assert torch.equal(a @ x, _chains(a, x[:, None])[:, 0])
     bias = _random(20, seed=4)
-    assert torch.equal(torch.addmv(bias, a, x), products.thin_order(a, x[:, None])[:, 0] + bias)
-    assert torch.equal(torch.dot(x, y), products.thin_order(x[None], y[:, None]).reshape(()))
+    assert torch.equal(torch.addmv(bias, a, x), _chains(a, x[:, None], bias[:, None])[:, 0])
+    assert torch.equal(torch.dot(x, y), _chains(x[None], y[:, None]).reshape(()))
+    # float64: the same chains, in float64 (the kernels' core checks them against its own
+    # reference); here a row alone against the whole.
     d, e = _random(30, 400, dtype=torch.float64), _random(400, 30, seed=1, dtype=torch.float64)
-    assert torch.equal(d @ e, products.thin_order(d, e))
+    assert torch.equal((d @ e)[7], (d[7:8] @ e)[0])
     # other dtypes have no rounding to order: PyTorch's own kernels
     ints = torch.arange(6).reshape(2, 3)
     assert torch.equal(ints @ ints.t(), torch.tensor([[5, 14], [14, 50]]))
 
 
 def test_gradients_are_summed_the_same_way() -> None:
-    # A weight's gradient sums over the batch's tokens: 300 of them, two blocks.
+    # A weight's gradient sums over the batch's tokens: 300 of them.
     x = _random(300, 64, seed=1).requires_grad_()
     w = _random(48, 64, seed=2).requires_grad_()
     grad = _random(300, 48, seed=3)
     F.linear(x, w).backward(grad)
     assert w.grad is not None and x.grad is not None
-    assert torch.equal(w.grad, _blocks(grad.t(), x.detach()))
-    assert torch.equal(x.grad, _blocks(grad, w.detach()))
+    assert torch.equal(w.grad, _chains(grad.t(), x.detach()))
+    assert torch.equal(x.grad, _chains(grad, w.detach()))
 
 
 def test_pytorchs_own_errors_for_what_is_not_a_product() -> None:
@@ -169,7 +172,7 @@ def test_a_process_journals_its_census_into_the_folder_it_is_given(tmp_path) -> 
 
 
 @pytest.mark.parametrize(("value", "expected"), [("native", "native"),
-                                                 ("blocks", "blocks of 192")])
+                                                 ("chains", "fma chains")])
 def test_the_environment_chooses_the_products(value: str, expected: str) -> None:
     code = "from minigpt import products; print(products.mode())"
     env = os.environ | {"MINIGPT_PRODUCTS": value}
@@ -183,7 +186,7 @@ def test_an_unknown_choice_of_products_is_refused() -> None:
     done = subprocess.run([sys.executable, "-c", "import minigpt"], env=env,
                           capture_output=True, text=True)
     assert done.returncode != 0
-    assert "MINIGPT_PRODUCTS='fast': use 'blocks'" in done.stderr
+    assert "MINIGPT_PRODUCTS='fast': use 'chains'" in done.stderr
 
 
 def test_importing_minigpt_prints_nothing() -> None:

@@ -127,7 +127,7 @@ def test_a_damaged_library_is_replaced_and_the_products_run(folder: Path) -> Non
         import os, shutil
         from minigpt import products  # with MINIGPT_PRODUCTS=native: nothing loaded yet
         products.compile_library = lambda out: shutil.copyfile({str(products._loaded[0])!r}, out)
-        os.environ["MINIGPT_PRODUCTS"] = "blocks"
+        os.environ["MINIGPT_PRODUCTS"] = "chains"
         products.install()
         import torch
         a = torch.ones(5, 300)
@@ -136,7 +136,7 @@ def test_a_damaged_library_is_replaced_and_the_products_run(folder: Path) -> Non
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=os.environ | {"MINIGPT_PRODUCTS": "native"}, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert done.stdout == f"blocks of {products.BLOCK} 300.0\n"
+    assert done.stdout == "fma chains 300.0\n"
     lines = done.stderr.splitlines()
     assert lines[0].startswith(f"minigpt: {damaged} would not load (")
     assert lines[1].startswith("minigpt: compiling its matrix products")

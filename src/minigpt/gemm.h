@@ -528,7 +528,7 @@ __attribute__((target("avx512f"))) void kernel_avx512(int64_t kc, const typename
 
 #endif  // MINIGPT_GEMM_X86
 
-// Each path's tile and blocks (those of BLIS's kernels for the same tiles). The tile's
+// Each path's tile and blocks (chosen by measuring on the project's machine). The tile's
 // accumulators fill most vector registers (AVX2: 6 x 16 floats in 12 of 16, AVX-512: 12 x 32
 // in 24 of 32); a B panel of KC steps stays in L1, an A block of MC x KC in L2, a B block of
 // KC x NC in L3.

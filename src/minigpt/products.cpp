@@ -1,13 +1,9 @@
-// The package's matrix products on the CPU: the same bits on every x86-64 CPU, Intel or AMD.
-// minigpt/products.py says why and how; this file registers the kernels it describes:
-// - a product of at least MIN_ROWS rows and MIN_COLS columns (float32) goes to MKL
-//   (PyTorch's own CPU kernels of `mm.out` / `bmm.out`, called directly, past the dispatcher that
-//   leads to these) in blocks of at most BLOCK along its inner dimension,
-//   added left to right into C, the bias (if any) after the first block: the order of MKL's
-//   own AVX2 kernels, which MKL keeps on every maker's CPU for such blocks;
-// - a thinner product, and every float64 one, is summed here, by `thin`, in an order of its
-//   own (LANES interleaved partial sums, then a fixed tree), in code built without fused
-//   multiply-adds (-ffp-contract=off): the same IEEE operations on every x86-64 CPU.
+// The package's matrix products on the CPU: every float32 and float64 product PyTorch
+// computes (mm, addmm, bmm, baddbmm, mv, addmv, dot; out=, in place and .dtype overloads)
+// summed by the package's own kernels (gemm.h), each entry one fused multiply-add chain over
+// the inner dimension in order: the same bits on every CPU, whatever its vector width, its
+// thread count or the other rows of the product. minigpt/products.py says why; this file
+// hands PyTorch's tensors to gemm.h and registers the kernels.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/Resize.h>
@@ -31,11 +27,9 @@
 #include <string>
 #include <vector>
 
-namespace {
+#include "gemm.h"
 
-constexpr int64_t BLOCK = MINIGPT_BLOCK;
-constexpr int64_t MIN_ROWS = MINIGPT_MIN_ROWS;
-constexpr int64_t MIN_COLS = MINIGPT_MIN_COLS;
+namespace {
 
 // The census: every distinct product computed while one is open, as a line of JSON
 // [kind, a's shape, a's strides, b's shape, b's strides, the bias's shape or null, its
@@ -86,69 +80,54 @@ void record(bool batched, const at::Tensor& a, const at::Tensor& b,
   }
 }
 
-// The order of a thin product's sums: each entry of C is summed in LANES partial sums, lane r
-// taking the terms p = r, r + LANES, r + 2 LANES, ... left to right from zero, and the lanes
-// are added as a fixed tree, ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)). The same
-// order whatever the operands' strides; vector instructions compute it as fast as they can.
-constexpr int64_t LANES = MINIGPT_LANES;
-static_assert(LANES == 8, "tree adds eight lanes");
-
-template <typename scalar_t>
-inline scalar_t tree(const scalar_t* s, int64_t step) {
-  return ((s[0] + s[step]) + (s[2 * step] + s[3 * step])) +
-         ((s[4 * step] + s[5 * step]) + (s[6 * step] + s[7 * step]));
+// The path the kernels run (MINIGPT_GEMM_PATH forces one, for the tests), read once; a path
+// this CPU cannot run is an error where a product is first computed.
+minigpt::gemm::Path chosen_path() {
+  static const minigpt::gemm::Path path = minigpt::gemm::path_from_env();
+  return path;
 }
 
-// out = a b in that order, for out (n, M, N) contiguous, a (n, M, K) and b (n, K, N) of any
-// strides.
-template <typename scalar_t>
-void thin(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) {
+// Products smaller than this many multiply-adds run on the calling thread alone: threads
+// change how fast a product is computed, never its bits (each entry is one chain).
+constexpr int64_t PARALLEL_WORK = 1 << 18;
+
+// out (n, M, N) contiguous = alpha a b + beta bias, for a (n, M, K), b (n, K, N) and the
+// bias (n, M, N, any strides, 0 for a broadcast, or undefined), all of type T: the batches'
+// and rectangles' chains on PyTorch's threads (`minigpt::gemm::split`).
+template <typename T>
+void chains(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias, at::Tensor& out,
+            double alpha, double beta) {
   const int64_t n = a.size(0), m = a.size(1), k = a.size(2), cols = b.size(2);
-  const int64_t sa0 = a.stride(0), sa1 = a.stride(1), sa2 = a.stride(2);
-  const int64_t sb0 = b.stride(0), sb1 = b.stride(1), sb2 = b.stride(2);
-  const scalar_t* pa = a.const_data_ptr<scalar_t>();
-  const scalar_t* pb = b.const_data_ptr<scalar_t>();
-  scalar_t* po = out.data_ptr<scalar_t>();
-  if (sb2 == 1 && cols >= LANES) {
-    // b's rows contiguous: every lane a row of partial sums, each term added to a whole row.
-    std::vector<scalar_t> lanes(LANES * cols);
-    for (int64_t s = 0; s < n; ++s) {
-      for (int64_t i = 0; i < m; ++i) {
-        std::fill(lanes.begin(), lanes.end(), scalar_t(0));
-        const scalar_t* row = pa + s * sa0 + i * sa1;
-        for (int64_t p = 0; p < k; ++p) {
-          const scalar_t x = row[p * sa2];
-          const scalar_t* __restrict y = pb + s * sb0 + p * sb1;
-          scalar_t* __restrict lane = lanes.data() + (p % LANES) * cols;
-          for (int64_t j = 0; j < cols; ++j) lane[j] += x * y[j];
-        }
-        scalar_t* into = po + (s * m + i) * cols;
-        for (int64_t j = 0; j < cols; ++j) into[j] = tree(lanes.data() + j, cols);
+  const T* pa = a.const_data_ptr<T>();
+  const T* pb = b.const_data_ptr<T>();
+  const T* pbias = bias.defined() ? bias.const_data_ptr<T>() : nullptr;
+  T* po = out.data_ptr<T>();
+  const int threads = n * m * cols * k < PARALLEL_WORK ? 1 : at::get_num_threads();
+  const auto rects = minigpt::gemm::split(m, cols, std::max<int64_t>(1, threads / n));
+  const auto path = chosen_path();
+  TORCH_CHECK(minigpt::gemm::supported(path), "MINIGPT_GEMM_PATH=",
+              minigpt::gemm::path_name(path), ": this CPU cannot run that path");
+  const int64_t parts = n * static_cast<int64_t>(rects.size());
+  auto run = [&](int64_t begin, int64_t end) {
+    for (int64_t q = begin; q < end; ++q) {
+      const int64_t s = q / static_cast<int64_t>(rects.size());
+      minigpt::gemm::Product<T> pr;
+      pr.M = m, pr.N = cols, pr.K = k;
+      pr.a = pa + s * a.stride(0), pr.a_row = a.stride(1), pr.a_col = a.stride(2);
+      pr.b = pb + s * b.stride(0), pr.b_row = b.stride(1), pr.b_col = b.stride(2);
+      pr.c = po + s * m * cols, pr.ldc = cols;
+      if (pbias) {
+        pr.bias = pbias + s * bias.stride(0);
+        pr.bias_row = bias.stride(1), pr.bias_col = bias.stride(2);
       }
+      pr.alpha = static_cast<T>(alpha), pr.beta = static_cast<T>(beta);
+      minigpt::gemm::compute(pr, rects[q % rects.size()], path);
     }
-    return;
-  }
-  // Otherwise one entry at a time, its lanes side by side.
-  for (int64_t s = 0; s < n; ++s) {
-    for (int64_t i = 0; i < m; ++i) {
-      const scalar_t* x = pa + s * sa0 + i * sa1;
-      for (int64_t j = 0; j < cols; ++j) {
-        const scalar_t* y = pb + s * sb0 + j * sb2;
-        scalar_t lane[LANES] = {0, 0, 0, 0, 0, 0, 0, 0};
-        int64_t p = 0;
-        if (sa2 == 1 && sb1 == 1) {
-          for (; p + LANES <= k; p += LANES) {
-            for (int64_t r = 0; r < LANES; ++r) lane[r] += x[p + r] * y[p + r];
-          }
-        } else {
-          for (; p + LANES <= k; p += LANES) {
-            for (int64_t r = 0; r < LANES; ++r) lane[r] += x[(p + r) * sa2] * y[(p + r) * sb1];
-          }
-        }
-        for (; p < k; ++p) lane[p % LANES] += x[p * sa2] * y[p * sb1];
-        po[(s * m + i) * cols + j] = tree(lane, 1);
-      }
-    }
+  };
+  if (threads == 1 || parts == 1) {
+    run(0, parts);
+  } else {
+    at::parallel_for(0, parts, 1, run);
   }
 }
 
@@ -161,13 +140,6 @@ at::Tensor product(bool batched, const at::Tensor& a, const at::Tensor& b,
                     (!batched || a.size(0) == b.size(0));
   const bool floating = a.scalar_type() == b.scalar_type() &&
                         (a.scalar_type() == at::kFloat || a.scalar_type() == at::kDouble);
-  auto mkl = [batched](at::Tensor& out, const at::Tensor& x, const at::Tensor& y) {
-    if (batched) {
-      at::cpu::bmm_out(out, x, y);
-    } else {
-      at::cpu::mm_out(out, x, y);
-    }
-  };
   const bool same = a.scalar_type() == b.scalar_type() &&
                     (!bias.has_value() || bias->scalar_type() == a.scalar_type());
   TORCH_CHECK(!a.is_complex() && !b.is_complex(),
@@ -182,8 +154,9 @@ at::Tensor product(bool batched, const at::Tensor& a, const at::Tensor& b,
     return product(batched, a.to(at::kFloat), b.to(at::kFloat), wide_bias, beta, alpha)
         .to(a.scalar_type());
   }
-  if (!fits || !floating || a.numel() == 0 || b.numel() == 0) {
-    // No sums to order (or not a product: PyTorch's own kernel and its own error).
+  if (!fits || !floating || !same) {
+    // Not a product of real floating operands of one type (integers: exact sums, in any
+    // order), or not a product at all: PyTorch's own CPU kernel, and its own error.
     auto shape = a.sizes().vec();
     if (fits) shape.back() = b.size(-1);
     auto out = at::empty(fits ? at::IntArrayRef(shape) : at::IntArrayRef({0}), a.options());
@@ -193,39 +166,30 @@ at::Tensor product(bool batched, const at::Tensor& a, const at::Tensor& b,
       } else {
         at::cpu::addmm_out(out, *bias, a, b, beta, alpha);
       }
+    } else if (batched) {
+      at::cpu::bmm_out(out, a, b);
     } else {
-      mkl(out, a, b);
+      at::cpu::mm_out(out, a, b);
     }
     return out;
   }
-  record(batched, a, b, bias, beta, alpha);
-  const int64_t m = a.size(-2), k = a.size(-1), n = b.size(-1);
+  const int64_t m = a.size(-2), n = b.size(-1);
   auto shape = a.sizes().vec();
   shape.back() = n;
   auto out = at::empty(shape, a.options());
-  const bool scaled = alpha.toDouble() != 1.0;
-  const bool with_bias = bias.has_value() && beta.toDouble() != 0.0;
-  if (a.scalar_type() == at::kDouble || m < MIN_ROWS || n < MIN_COLS) {
-    auto out3 = batched ? out : out.unsqueeze(0);
-    AT_DISPATCH_FLOATING_TYPES(a.scalar_type(), "thin", [&] {
-      thin<scalar_t>(batched ? a : a.unsqueeze(0), batched ? b : b.unsqueeze(0), out3);
-    });
-    if (scaled) out.mul_(alpha);
-    if (with_bias) out.add_(*bias, beta);
-    return out;
+  at::Tensor wide_bias;
+  if (bias.has_value() && beta.toDouble() != 0.0) {
+    // The bias as (batches, M, N), broadcast where it is (stride 0); PyTorch's own error if
+    // it does not broadcast. BLAS: beta 0 ignores the bias, NaN or not.
+    wide_bias = batched ? bias->expand({a.size(0), m, n}) : bias->expand({m, n}).unsqueeze(0);
   }
-  at::Tensor part = k > BLOCK ? at::empty_like(out) : out;
-  for (int64_t start = 0; start < k; start += BLOCK) {
-    const int64_t width = std::min(BLOCK, k - start);
-    at::Tensor into = start == 0 ? out : part;
-    mkl(into, a.narrow(-1, start, width), b.narrow(-2, start, width));
-    if (scaled) into.mul_(alpha);
-    if (start == 0) {
-      if (with_bias) out.add_(*bias, beta);  // BLAS: beta 0 ignores the bias, NaN or not
-    } else {
-      out.add_(part);
-    }
-  }
+  if (out.numel() == 0) return out;
+  record(batched, a, b, bias, beta, alpha);
+  auto a3 = batched ? a : a.unsqueeze(0), b3 = batched ? b : b.unsqueeze(0);
+  auto out3 = batched ? out : out.unsqueeze(0);
+  AT_DISPATCH_FLOATING_TYPES(a.scalar_type(), "chains", [&] {
+    chains<scalar_t>(a3, b3, wide_bias, out3, alpha.toDouble(), beta.toDouble());
+  });
   return out;
 }
 

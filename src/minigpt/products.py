@@ -1,43 +1,39 @@
-"""Matrix products that sum in the same order on every x86-64 CPU, Intel or AMD.
+"""Matrix products summed in one order, the package's own, on every CPU.
 
 A matrix product C = A B sums, for each entry, K products along the inner dimension, and
 floating-point addition is not associative: the order of that sum decides the last bits, and
 a training run that rounds one product differently trains other weights. PyTorch hands its
-products to MKL, and MKL chooses its kernels by the CPU's maker as well as its instructions:
-with `MKL_CBWR=AVX2,STRICT` (`minigpt.PINNED_CPU_KERNELS`) every Intel CPU runs MKL's AVX2
-kernels, but an AMD CPU runs another branch. Measured under `qemu-x86_64 -cpu Haswell` and
-`-cpu EPYC` (docs/reproducibility.md), the two agree on a product only if
-
-- its inner dimension is at most 192 (`BLOCK`): MKL's Intel kernels sum it in blocks of 192,
-  adding each block's partial product into C, the AMD branch in other blocks;
-- it has at least 4 rows (`MIN_ROWS`) and 12 columns (`MIN_COLS`): thinner products go to
-  kernels MKL picks by maker, whatever the inner dimension.
+products to MKL, whose order depends on the CPU's maker and instructions, on the shape of the
+product (a row's bits depend on how many rows are computed with it) and on the thread count.
 
 So `install` replaces PyTorch's CPU kernels of every matrix-product operator (`mm`, `addmm`,
-`bmm`, `baddbmm`, `mv`, `addmv`, `dot`: what `nn.Linear` and its gradients, `matmul`, `@`,
-`einsum`, attention's products and Muon's Newton-Schulz products all come down to) with the
-kernels of ``products.cpp``, compiled once per machine (`build`: at set-up, or by the first
-process that finds no library, saying so):
+`bmm`, `baddbmm`, `mv`, `addmv`, `dot`, and their out=, in-place and ``.dtype`` overloads:
+what `nn.Linear` and its gradients, `matmul`, `@`, `einsum`, attention's products, Muon's
+Newton-Schulz products and `torch.compile`'s products all come down to) with the kernels of
+``products.cpp``, compiled once per machine (`build`: at set-up, or by the first process that
+finds no library, saying so). Each entry of a float32 or float64 product is one chain
+(``gemm.h``, `chain_order`)::
 
-- a float32 product of at least `MIN_ROWS` rows and `MIN_COLS` columns goes to MKL in blocks
-  of at most `BLOCK` along its inner dimension, added left to right (the bias after the first
-  block): MKL's own Intel order, so a product that already agreed keeps its bits;
-- a thinner product, and every float64 one, is summed by the extension itself, in an order
-  of its own (`thin_order`: eight interleaved partial sums, then a fixed tree), in code built
-  without fused multiply-adds: the same IEEE operations on every x86-64 CPU.
+    acc = +0;  for p = 0 .. K-1:  acc = fma(a[i, p], b[p, j], acc);  then alpha, then the bias
+
+A fused multiply-add rounds once on every CPU that has one, so the chain's result depends on
+its inputs alone: the AVX-512, AVX2 and portable kernels give the same bits, and so do any
+number of threads (they split rows and columns, never p) and any neighbouring rows. A
+bfloat16 or float16 product (bf16 autocast) is the float32 product of its operands, rounded
+once; a complex one is refused.
 
 PyTorch's fused attention kernel calls MKL without these operators, so on a CPU the package
 computes attention with its own products (`minigpt.attention`).
 
 `census` records every distinct product a block of code computes (kind, each operand's shape
 and strides, dtype, threads, alpha and beta); `tools/same_bits.py --census` replays a census
-natively and under the two emulated CPUs (`tests/test_same_bits.py`); with ``MINIGPT_CENSUS``
-set to a folder, every process appends each new product to ``<folder>/<pid>.jsonl`` (the
-build records the chapters' census so). Setting
-``MINIGPT_PRODUCTS=native`` before importing minigpt leaves PyTorch's kernels alone (faster
-on a large model; not the same bits on both makers' CPUs). Elsewhere than Linux x86-64
-(arm64, macOS, Windows) the products are PyTorch's own: bits are promised on Linux x86-64.
+natively and under emulated CPUs (`tests/test_same_bits.py`); with ``MINIGPT_CENSUS`` set to a
+folder, every process appends each new product to ``<folder>/<pid>.jsonl`` (the build records
+the chapters' census so). Setting ``MINIGPT_PRODUCTS=native`` before importing minigpt leaves
+PyTorch's kernels alone (other bits than the book's models). Elsewhere than Linux x86-64 the
+products are PyTorch's own for now (the kernels' core builds for arm64, tests/test_gemm.py).
 """
+
 
 from __future__ import annotations
 
@@ -56,19 +52,12 @@ from typing import Any
 import torch
 from filelock import FileLock, Timeout
 
-#: The longest inner dimension MKL is given: the block MKL's Intel AVX2 kernels sum at a time.
-BLOCK = 192
-#: The fewest rows and columns of a product MKL is given; thinner ones are summed here.
-MIN_ROWS, MIN_COLS = 4, 12
-#: The partial sums a thin product's entry is summed in (`thin_order`).
-LANES = 8
-
 SOURCE = Path(__file__).with_name("products.cpp")
-#: The compiler's flags: the constants above, and no fused multiply-adds (a*b+c rounded once
-#: on one CPU and twice on another would part), nor any licence to reorder sums.
-FLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", f"-DMINIGPT_BLOCK={BLOCK}",
-         f"-DMINIGPT_MIN_ROWS={MIN_ROWS}", f"-DMINIGPT_MIN_COLS={MIN_COLS}",
-         f"-DMINIGPT_LANES={LANES}")
+#: The kernels' core, plain C++ that `SOURCE` includes (and tests/gemm/check.cpp builds alone).
+CORE = Path(__file__).with_name("gemm.h")
+#: The compiler's flags: no fused multiply-adds but the kernels' own (a*b+c rounded once on
+#: one CPU and twice on another would part), nor any licence to reorder sums.
+FLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math")
 
 #: How long a process waits for another that is compiling the products before it gives up
 #: (a compile takes 20-90 s; a process that dies while compiling frees the lock at once).
@@ -83,19 +72,19 @@ def tell(line: str) -> None:
 
 
 def applies() -> bool:
-    """Whether this platform gets the package's products: Linux on x86-64 with PyTorch's MKL
-    build, unless ``MINIGPT_PRODUCTS=native``."""
-    choice = os.environ.get("MINIGPT_PRODUCTS", "blocks")
-    if choice not in ("blocks", "native"):
-        raise ValueError(f"MINIGPT_PRODUCTS={choice!r}: use 'blocks' (the default: the same "
-                         "bits on every x86-64 CPU) or 'native' (PyTorch's own products)")
-    return (choice == "blocks" and sys.platform == "linux" and platform.machine() == "x86_64"
-            and torch.backends.mkl.is_available())  # type: ignore[no-untyped-call]
+    """Whether this platform gets the package's products: Linux on x86-64, unless
+    ``MINIGPT_PRODUCTS=native``."""
+    choice = os.environ.get("MINIGPT_PRODUCTS", "chains")
+    if choice not in ("chains", "native"):
+        raise ValueError(f"MINIGPT_PRODUCTS={choice!r}: use 'chains' (the default: the "
+                         "package's products, the same bits on every CPU) or 'native' "
+                         "(PyTorch's own products)")
+    return choice == "chains" and sys.platform == "linux" and platform.machine() == "x86_64"
 
 
 def build_key() -> str:
-    """What the compiled kernels depend on: the source, the flags and PyTorch's version."""
-    material = SOURCE.read_bytes() + repr((FLAGS, torch.__version__)).encode()
+    """What the compiled kernels depend on: the sources, the flags and PyTorch's version."""
+    material = SOURCE.read_bytes() + CORE.read_bytes() + repr((FLAGS, torch.__version__)).encode()
     return hashlib.sha256(material).hexdigest()[:16]
 
 
@@ -206,18 +195,33 @@ def install(say: Callable[[str], None] = tell) -> None:
     _loaded.append(library)
 
 
-def thin_order(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """A B summed as the package sums a thin product, written out with elementwise
-    operations (slowly: for the tests and the implementation chapter): entry (i, j) is
-    ``((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))``, where lane s_r adds the terms
-    a[i, p] b[p, j] with p = r, r + 8, r + 16, ... left to right, from zero.
+def chain_order(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """A B (float32) summed as the package's kernels sum it, written out with elementwise
+    operations (slowly: for the tests and the implementation chapter): entry (i, j) starts at
+    +0 and takes the terms p = 0, 1, ..., K-1 in order, each by a fused multiply-add,
+    ``acc = fma(a[i, p], b[p, j], acc)``, rounded once.
 
-    a: (..., M, K); b: (..., K, N). Returns (..., M, N)."""
-    lanes = [torch.zeros((*a.shape[:-1], b.shape[-1]), dtype=a.dtype) for _ in range(LANES)]
+    PyTorch has no fused multiply-add, so each step is made exact in float64 (a float32
+    product is exact there; `_two_sum` gives the sum's rounding error), rounded to float64
+    toward an odd last bit, then to float32: two roundings that give the one of an fma.
+
+    a: (..., M, K); b: (..., K, N), float32. Returns (..., M, N)."""
+    assert a.dtype == b.dtype == torch.float32
+    acc = torch.zeros((*a.shape[:-1], b.shape[-1]), dtype=torch.float64)
     for p in range(a.shape[-1]):
-        lanes[p % LANES] = lanes[p % LANES] + a[..., p:p + 1] * b[..., p:p + 1, :]
-    s = lanes
-    return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]))
+        term = a[..., p:p + 1].double() * b[..., p:p + 1, :].double()  # exact
+        total, error = _two_sum(acc, term)
+        even = (total.view(torch.int64) & 1) == 0
+        odd = torch.where(even & (error != 0), torch.nextafter(total, total + error), total)
+        acc = odd.float().double()  # the fma's one rounding, to float32
+    return acc.float()
+
+
+def _two_sum(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x + y rounded, and what the rounding lost (exactly: the two add up to x + y)."""
+    total = x + y
+    back = total - x
+    return total, (x - (total - back)) + (y - back)
 
 
 def computes(tensor: torch.Tensor) -> bool:
@@ -227,8 +231,9 @@ def computes(tensor: torch.Tensor) -> bool:
 
 
 def mode() -> str:
-    """What this process's products run: ``"blocks of 192"`` or ``"native"``."""
-    return f"blocks of {BLOCK}" if _loaded else "native"
+    """What this process's products run: ``"fma chains"`` (the package's, whatever the
+    CPU's vector path: the same bits) or ``"native"``."""
+    return "fma chains" if _loaded else "native"
 
 
 @contextmanager
