@@ -67,7 +67,7 @@ def test_the_cache_key_records_the_kernels() -> None:
                                            "ONEDNN_MAX_CPU_ISA": os.environ["ONEDNN_MAX_CPU_ISA"]}
     # and how the products were summed (minigpt.products; the README's override: native).
     native = os.environ.get("MINIGPT_PRODUCTS") == "native"
-    assert material["products"] == ("native" if native else "blocks of 192")
+    assert material["products"] == ("native" if native else "fma chains")
 
 
 def _mkl_recorded(code: str, **env: str) -> str:

@@ -172,7 +172,7 @@ def test_a_trained_model_samples_and_attends_as_natively(
 def test_every_product_of_the_census_and_every_random_draw_is_the_same_as_natively(
         runs: dict[str | None, dict[str, Any]], cpu: str) -> None:
     native, emulated = runs[None], runs[cpu]
-    assert native["products"] == emulated["products"] == "blocks of 192"
+    assert native["products"] == emulated["products"] == "fma chains"
     census = json.loads(CENSUS.read_text(encoding="utf-8"))
     assert len(census["set-up"]) > 100 and len(census["chapters"]) > 100
     assert len(native["census"]) == len(emulated["census"]) > 100

@@ -1,11 +1,10 @@
 """What the book computes, as sha256s: run it on two CPUs and compare.
 
 Parts of the output (JSON keys):
-- ``census``: every distinct call to MKL that the package's products make for a census of
-  products (``--census tests/notebooks/products.json``: what set-up's models and the chapters
-  compute, `tools/census.py`), recomputed on seeded random operands (cut from one pool of
-  random numbers, `POOL`): one sha256 per call,
-  and the products the package sums itself, recomputed through its kernels.
+- ``census``: every distinct product of a census (``--census tests/notebooks/products.json``:
+  what set-up's models and the chapters compute, `tools/census.py`), recomputed through the
+  package's kernels on seeded random operands (cut from one pool of random numbers, `POOL`):
+  one sha256 per product.
 - The training runs: a step of every kind of run set-up makes (the book recipe, its draft and
   the modern recipe, SFT, DPO, the rewards chapter's supervised, GRPO and rejection-sampling
   steps, a copier), chained as set-up chains them, the weights' sha256 after each. The draft
@@ -14,7 +13,7 @@ Parts of the output (JSON keys):
   forward pass's attention weights.
 - ``random``: the random draws a run makes (normal, uniform, integers, permutations,
   multinomial, Bernoulli and dropout masks), and ``raw mkl``: products MKL computes itself,
-  outside the package's products (what would part between CPU makers without them).
+  past the package's kernels (what would part between CPU makers without them).
 
 Two CPUs that give the same lines compute the same bits. `tests/test_same_bits.py` runs this
 natively and under `qemu-x86_64` as an Intel CPU (Haswell) and an AMD one (EPYC), one process
@@ -165,7 +164,7 @@ def reward_runs(model: GPT, chat: Tokenizer, old: list[Task], steps: int) -> dic
     return hashes
 
 
-#: A call of more rows than this is replayed with fewer (`mkl_calls`).
+#: A call of more rows than this is replayed with fewer (`product_call`).
 FULL_ROWS = 72
 #: A batched call of more matrices than this is replayed with this many.
 FULL_BATCH = 2
@@ -173,29 +172,20 @@ FULL_BATCH = 2
 
 def _rows(m: int) -> int:
     """The rows a call of ``m`` rows is replayed with: all of them up to `FULL_ROWS`, else 48
-    plus ``m`` mod 24, so that every residue of the row count that MKL's row tiles (of 4, 6
-    or 8 rows, and their multiples) could meet stays, and the first rows' paths too."""
+    plus ``m`` mod 24, so that every residue of the row count that the kernels' row tiles (of
+    4, 6 or 12 rows) could meet stays, and the first rows' tiles too."""
     return m if m <= FULL_ROWS else 48 + m % 24
 
 
-def mkl_calls(entry: list[Any]) -> set[tuple[Any, ...]]:
-    """What the package's products compute for one census entry, as distinct calls: for a
-    product MKL computes (`minigpt.products`: float32, at least `products.MIN_ROWS` rows and
-    `products.MIN_COLS` columns), MKL's blocks of at most `products.BLOCK` inner terms, each
-    operand keeping its strides (the blocks' sums and the bias are added by PyTorch's
-    elementwise kernels, the same instructions on every CPU, pinned to AVX2); for one the
-    package sums itself, the whole product through its kernel. Rows reduced by `_rows`, a
-    batch of matrices to `FULL_BATCH` (MKL computes each matrix on its own)."""
-    kind, a_shape, a_stride, b_shape, b_stride, bias_shape, _, dtype, threads, _, _ = entry
+def product_call(entry: list[Any]) -> tuple[Any, ...]:
+    """One census entry as the call `replay` makes: the product through the package's
+    kernels, each operand keeping its strides, rows reduced by `_rows` (a row's chains do
+    not depend on the other rows), a batch of matrices to `FULL_BATCH`."""
+    kind, a_shape, a_stride, b_shape, b_stride, _, _, dtype, threads, _, _ = entry
     batch = (min(a_shape[0], FULL_BATCH),) if kind == "bmm" else ()
     m, k, n = a_shape[-2], a_shape[-1], b_shape[-1]
-    rows = _rows(m)
-    if dtype != "float32" or m < products.MIN_ROWS or n < products.MIN_COLS:
-        return {("own", (*batch, rows, k), tuple(a_stride), (*batch, k, n), tuple(b_stride),
-                 dtype, threads)}
-    return {("mkl", (*batch, rows, min(products.BLOCK, k - start)), tuple(a_stride),
-             (*batch, min(products.BLOCK, k - start), n), tuple(b_stride), dtype, threads)
-            for start in range(0, k, products.BLOCK)}
+    return ((*batch, _rows(m), k), tuple(a_stride), (*batch, k, n), tuple(b_stride), dtype,
+            threads)
 
 
 #: Random numbers the replayed operands are cut from (more than the largest operand of the
@@ -221,28 +211,21 @@ def _operand(shape: tuple[int, ...], stride: tuple[int, ...], place: int,
 
 
 def replay(call: tuple[Any, ...], seed: int) -> str:
-    """One of `mkl_calls` on seeded random operands: the sha256 of its result. An ``mkl``
-    call goes to PyTorch's ``mm.out`` / ``bmm.out`` (MKL itself, as the package's kernels
-    hand it a block); an ``own`` one through the package's kernel (``mm`` / ``bmm``)."""
-    where, a_shape, a_stride, b_shape, b_stride, dtype, threads = call
+    """One of `census_calls` on seeded random operands, through the package's kernels
+    (``mm`` / ``bmm``): the sha256 of its result."""
+    a_shape, a_stride, b_shape, b_stride, dtype, threads = call
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     kind = getattr(torch, dtype)
     a = _operand(a_shape, a_stride, 2 * seed, kind)
     b = _operand(b_shape, b_stride, 2 * seed + 1, kind)
-    batched = len(a_shape) == 3
-    if where == "mkl":
-        out = a.new_empty((*a_shape[:-1], b_shape[-1]))
-        (torch.ops.aten.bmm.out if batched else torch.ops.aten.mm.out)(a, b, out=out)
-    else:
-        out = torch.bmm(a, b) if batched else torch.mm(a, b)
-    return tensor_sha256(out)
+    return tensor_sha256(torch.bmm(a, b) if len(a_shape) == 3 else torch.mm(a, b))
 
 
 def census_calls(path: Path) -> list[tuple[Any, ...]]:
-    """Every distinct `mkl_calls` of a census file (`tools/census.py`), sorted."""
+    """Every distinct `product_call` of a census file (`tools/census.py`), sorted."""
     census = json.loads(path.read_text(encoding="utf-8"))
-    calls = set().union(*(mkl_calls(entry) for part in census.values() for entry in part))
+    calls = {product_call(entry) for part in census.values() for entry in part}
     return sorted(calls, key=repr)
 
 
@@ -273,16 +256,16 @@ def random_draws() -> dict[str, str]:
 
 
 def raw_mkl() -> dict[str, str]:
-    """Products that MKL computes itself, bypassing `minigpt.products` (its ``mm.out``
-    kernel): of inner dimension 64, 192, 256 and 299 (96 x 80 results), and of 2 rows and of
-    8 columns (inner dimension 128). A CPU maker's own sums show here."""
+    """Products that MKL computes itself, past `minigpt.products` (``native_mm``, PyTorch's
+    own CPU kernel): of inner dimension 64, 192, 256 and 299 (96 x 80 results), and of 2 rows
+    and of 8 columns (inner dimension 128). A CPU maker's own sums show here."""
     generator = torch.Generator().manual_seed(0)
     out = {}
     for name, (m, k, n) in {"64": (96, 64, 80), "192": (96, 192, 80), "256": (96, 256, 80),
                             "299": (96, 299, 80), "2 rows": (2, 128, 80),
                             "8 columns": (96, 128, 8)}.items():
         a, b = torch.randn(m, k, generator=generator), torch.randn(k, n, generator=generator)
-        out[name] = tensor_sha256(torch.ops.aten.mm.out(a, b, out=a.new_empty(m, n)))
+        out[name] = tensor_sha256(torch.ops.minigpt_products.native_mm(a, b))
     return {"raw mkl": json.dumps(out, sort_keys=True)}
 
 
