@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minigpt import GPT, GPTConfig
+from minigpt import GPT, GPTConfig, products
 from minigpt.attention import LayerKVCache, MultiHeadAttention, causal_mask
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -94,6 +94,23 @@ def test_model_fed_in_any_chunks_equals_one_pass(cuts: list[int], positional: st
         chunks = [model(ids[:, a:b], cache=cache) for a, b in zip(bounds, bounds[1:], strict=False)]
     assert cache.length == 12 and cache.batch_size == 3
     assert torch.allclose(torch.cat(chunks, dim=1), whole, atol=1e-5)
+
+
+@pytest.mark.skipif(not products.applies(), reason="the package's products run on Linux "
+                    "x86-64 (elsewhere PyTorch's own, whose sums follow the row count)")
+@pytest.mark.parametrize("preset", ["shakespeare_cpu", "modern"])
+def test_a_token_decoded_with_the_cache_has_the_training_forwards_bits(preset: str) -> None:
+    # The book's models, decoded one token at a time: each token's logits are its row of
+    # one training forward over the whole sequence, bit for bit (one order for every
+    # product, whatever its rows; the softmax's sum whatever the masked keys after it).
+    torch.manual_seed(0)
+    model = GPT(getattr(GPTConfig, preset)(vocab_size=65)).eval()
+    ids = torch.randint(0, 65, (2, 40), generator=torch.Generator().manual_seed(1))
+    cache = model.new_cache()
+    with torch.no_grad():
+        whole = model(ids)
+        decoded = torch.cat([model(ids[:, t:t + 1], cache=cache) for t in range(40)], dim=1)
+    assert torch.equal(decoded, whole)
 
 
 def test_last_only_is_the_last_row(model: GPT) -> None:

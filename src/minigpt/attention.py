@@ -68,9 +68,20 @@ def scaled_dot_product_attention(
     if mask is not None:
         # exp(-inf) = 0: a masked key gets exactly zero weight.
         scores = scores.masked_fill(~mask, float("-inf"))
-    weights = torch.softmax(scores, dim=-1)
+    weights = softmax_over_keys(scores)
     attended = F.dropout(weights, p=dropout_p) if dropout_p > 0.0 else weights
     return attended @ v, weights
+
+
+def softmax_over_keys(scores: Tensor) -> Tensor:
+    """softmax over the last dimension, whose bits do not depend on how many masked keys
+    (-inf) follow the allowed ones: the maximum (exact), exp of each score (elementwise),
+    and the sum taken left to right (cumsum's last entry, to which a masked key adds an exact
+    zero). `torch.softmax` sums with vector lanes whose layout follows the row's length, so
+    a query decoded alone with a key-value cache (P + 1 keys) would get other last bits than
+    the same query in a training forward (T keys, the later ones masked)."""
+    exps = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
+    return exps / exps.cumsum(dim=-1)[..., -1:]
 
 
 def split_heads(x: Tensor, n_heads: int) -> Tensor:
