@@ -312,6 +312,9 @@ def test_the_cache_key_hashes_every_module_that_trains(module: str,
 def test_the_cache_key_holds_the_training_source() -> None:
     material = pretrained.key_material(pretrained.DRAFT_RECIPE, "to be or not to be")
     assert material["source_sha256"] == pretrained.source_sha256(pretrained.TRAINING_MODULES)
+    # the products' Python, their C++ and the kernels' core it includes
+    assert [p.name for p in pretrained.module_files("products")] == [
+        "products.py", "products.cpp", "gemm.h"]
     # a module more, or another order, is another hash
     assert pretrained.source_sha256(("nn", "model")) != pretrained.source_sha256(("nn",))
     assert pretrained.source_sha256(("nn", "model")) != pretrained.source_sha256(

@@ -21,6 +21,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import shutil
 import sys
 import tempfile
@@ -68,7 +69,11 @@ def imported_files(cells: Sequence[str], package: Path) -> list[Path] | None:
     def files(name: str) -> list[Path]:
         module = package.joinpath(*name.split(".")) if name else package
         python = module / "__init__.py" if module.is_dir() else module.with_suffix(".py")
-        return [p for p in (python, module.with_suffix(".cpp")) if p.is_file()]
+        cpp = module.with_suffix(".cpp")
+        if not cpp.is_file():
+            return [python] if python.is_file() else []
+        headers = re.findall(r'^#include "([^"]+)"', cpp.read_text(encoding="utf-8"), re.M)
+        return [p for p in (python, cpp, *(cpp.parent / h for h in headers)) if p.is_file()]
 
     def imports(source: str) -> set[str]:
         names: set[str] = set()

@@ -44,6 +44,7 @@ import io
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 import time
@@ -218,11 +219,15 @@ def source_sha256(modules: tuple[str, ...]) -> str:
 
 def module_files(name: str) -> list[Path]:
     """The source files of the package's module ``name`` (``"nn"``, ``"recipes.pretrained"``;
-    a subpackage is its ``__init__.py``): its Python, then its C++ if it has one."""
+    a subpackage is its ``__init__.py``): its Python, then its C++ if it has one, then the
+    package's headers that C++ includes (``#include "gemm.h"``), in the order it does."""
     module = PACKAGE.joinpath(*name.split("."))
     python = module / "__init__.py" if module.is_dir() else module.with_suffix(".py")
-    return [path for path in (python, module.with_suffix(".cpp"))
-            if path.suffix == ".py" or path.is_file()]
+    cpp = module.with_suffix(".cpp")
+    if not cpp.is_file():
+        return [python]
+    headers = re.findall(r'^#include "([^"]+)"', cpp.read_text(encoding="utf-8"), flags=re.M)
+    return [python, cpp, *(cpp.parent / header for header in headers)]
 
 
 @functools.cache
