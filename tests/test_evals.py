@@ -22,6 +22,7 @@ from minigpt.posttrain.evals import (
     Choice,
     CountModel,
     benchmark_table,
+    edit_distance,
     exact_match_by_turn,
     format_table,
     make_choices,
@@ -222,3 +223,18 @@ def test_by_turn_bad_arguments(n_turns: int, n_tasks: int, message: str) -> None
     gpt, tok = chat_model()
     with pytest.raises(ValueError, match=message):
         exact_match_by_turn(gpt, tok, held_out()[:n_tasks], n_turns=n_turns)
+
+
+def test_edit_distance_counts_the_fewest_letters_changed() -> None:
+    assert edit_distance("kitten", "sitting") == 3  # k -> s, e -> i, + g
+    assert edit_distance("thee", "the") == edit_distance("the", "thee") == 1
+    assert edit_distance("night", "nihgt") == 2  # a swap is two replacements
+    assert edit_distance("", "rose") == 4 and edit_distance("rose", "rose") == 0
+
+
+@given(st.text("abc", max_size=8), st.text("abc", max_size=8), st.text("abc", max_size=8))
+def test_edit_distance_is_a_distance(a: str, b: str, c: str) -> None:
+    d = edit_distance(a, b)
+    assert d == edit_distance(b, a) and (d == 0) == (a == b)
+    assert abs(len(a) - len(b)) <= d <= max(len(a), len(b))
+    assert edit_distance(a, c) <= d + edit_distance(b, c)

@@ -17,7 +17,8 @@ after another as `python -m minigpt chat` does, and scores each answer by its tu
 the same questions asked alone: a conversation's later turns are read in a context that
 holds the earlier ones, or what is left of them, which `exact_match` never shows a model.
 
-`benchmark_table` runs everything on a list of named models.
+`benchmark_table` runs everything on a list of named models; `edit_distance` says how near
+a wrong answer is.
 """
 
 from __future__ import annotations
@@ -209,6 +210,19 @@ class TurnMatch:
     single_turn: tuple[float, ...]
     dropped: tuple[float, ...]
     conversations: tuple[tuple[Turn, ...], ...]
+
+
+def edit_distance(a: str, b: str) -> int:
+    """Letters inserted, deleted or replaced to turn ``a`` into ``b`` (Levenshtein's
+    distance): how near a wrong answer is to the right one. One row of the table at a time:
+    ``row[j]`` is the distance from the first letters of ``a`` read so far to ``b[:j]``."""
+    row = list(range(len(b) + 1))
+    for i, char in enumerate(a, 1):
+        diagonal, row[0] = row[0], i
+        for j, other in enumerate(b, 1):
+            diagonal, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1,
+                                           diagonal + (char != other))
+    return row[-1]
 
 
 def exact_match_by_turn(model: GPT, tokenizer: Tokenizer, tasks: Sequence[Task], *,
