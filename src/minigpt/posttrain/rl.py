@@ -311,11 +311,12 @@ class RolloutBatch(NamedTuple):
     """N scored answers, as `rollout_loss` reads them: inputs ``x``, targets ``y`` and the
     answers' ``mask`` (N, L), ``advantages`` (N,), the log-probabilities of the targets
     under the policy that sampled them, ``old_logp`` (N, L), and under the reference,
-    ``ref_logp`` (N, L) (both None without a reference).
+    ``ref_logp`` (N, L) (None without a reference).
 
     Without ``old_logp`` the loss reads the policy's own log-probabilities, detached, as
     the sampler's: right for one optimiser step a batch, where the policy that is trained
-    is the one that sampled (the ratio is exactly 1), and one forward pass cheaper."""
+    is the one that sampled (the ratio is exactly 1), and one forward pass cheaper.
+    `grpo_batch` leaves it None: its steps are on-policy."""
 
     x: Tensor
     y: Tensor
@@ -353,12 +354,11 @@ def grpo_batch(policy: GPT, tokenizer: Tokenizer, tasks: Sequence[Task],
     advantages = group_advantages(rewards, scale=settings.scale,
                                   baseline=settings.baseline).flatten()
     x, y, mask = out.ids[:, :-1], out.ids[:, 1:], out.mask[:, 1:]
-    old_logp = ref_logp = None
-    if reference is not None:  # the KL to it needs both the sampler's and its own
-        with torch.no_grad(), eval_mode(policy), eval_mode(reference):
-            old_logp = token_logprobs(policy(x), y, mask)
+    ref_logp = None
+    if reference is not None:  # the KL to it; the sampler's are the loss's own (on-policy)
+        with torch.no_grad(), eval_mode(reference):
             ref_logp = token_logprobs(reference(x), y, mask)
-    return RolloutBatch(x, y, mask, advantages, old_logp, ref_logp), rewards
+    return RolloutBatch(x, y, mask, advantages, None, ref_logp), rewards
 
 
 def _question_prompts(tasks: Sequence[Task], tokenizer: Tokenizer, T: int) -> list[list[int]]:
@@ -374,15 +374,21 @@ def _question_prompts(tasks: Sequence[Task], tokenizer: Tokenizer, T: int) -> li
 
 
 def rollout_loss(model: nn.Module, batch: RolloutBatch, *, settings: GRPOSettings,
-                 entropies: list[Tensor] | None = None) -> Tensor:
+                 entropies: list[Tensor] | None = None,
+                 kls: list[Tensor] | None = None) -> Tensor:
     """`grpo_loss` of a `RolloutBatch` under ``model`` (a `minigpt.losses.LossFn`). Given a
-    list ``entropies``, it appends the `answer_entropy` of the same forward pass: a step
-    measures the policy without a pass of its own."""
+    list ``entropies``, it appends the `answer_entropy` of the same forward pass, and given
+    a list ``kls`` (and a batch with ``ref_logp``), the KL estimate k3 to the reference of
+    the policy that sampled, summed over each answer's tokens and averaged over the answers:
+    a step measures the policy without a pass of its own."""
     logits = model(batch.x)
     if entropies is not None:
         entropies.append(answer_entropy(logits, batch.mask))
     logp = token_logprobs(logits, batch.y, batch.mask)
     old_logp = logp.detach() if batch.old_logp is None else batch.old_logp
+    if kls is not None and batch.ref_logp is not None:
+        per_token = kl_estimate(old_logp, batch.ref_logp, "k3")
+        kls.append(torch.where(batch.mask, per_token, 0.0).sum(dim=1).mean())
     return grpo_loss(logp, old_logp, batch.advantages, batch.mask, clip=settings.clip,
                      ref_logp=batch.ref_logp, kl_coef=settings.kl_coef,
                      length_norm=settings.length_norm, max_tokens=settings.max_new_tokens)
@@ -428,7 +434,7 @@ class GRPOStats:
         answers: answers sampled. tokens_sampled: positions the sampler's forward passes
             read (`sampled_positions`). tokens_trained: positions the loss's forward and
             backward passes read. tokens_scored: positions read by forward passes without
-            a gradient (the sampler's and the reference's log-probabilities of the KL).
+            a gradient (the reference's log-probabilities of the KL).
     """
 
     reward: float
@@ -472,17 +478,16 @@ def grpo_step(policy: GPT, optimizer: Optimizer, tokenizer: Tokenizer, tasks: Se
         raise ValueError("settings.kl_coef > 0 penalises the KL to a reference: give the "
                          "reference model")
     entropies: list[Tensor] = []
+    kls: list[Tensor] = []
     with eval_mode(policy):
         batch, rewards = grpo_batch(policy, tokenizer, tasks, settings, generator=generator,
                                     reference=reference, reward=reward)
         result = train_step(policy if trainee is None else trainee, optimizer, [batch],
                             grad_clip=settings.grad_clip,
-                            loss_fn=partial(rollout_loss, settings=settings, entropies=entropies))
+                            loss_fn=partial(rollout_loss, settings=settings,
+                                            entropies=entropies, kls=kls))
     (entropy,) = entropies
-    kl = torch.zeros((), device=rewards.device)
-    if batch.old_logp is not None and batch.ref_logp is not None:
-        per_token = kl_estimate(batch.old_logp, batch.ref_logp, "k3")
-        kl = torch.where(batch.mask, per_token, 0.0).sum(dim=1).mean()
+    (kl,) = kls or [torch.zeros((), device=rewards.device)]
     measured = torch.stack([rewards.mean(), zero_signal_groups(rewards).float().mean(),
                             result.loss, kl, batch.mask.sum(dim=1).float().mean(), entropy])
     mean_reward, zero_signal, loss, kl_value, length, mean_entropy = mean_over_ranks(
@@ -494,7 +499,7 @@ def grpo_step(policy: GPT, optimizer: Optimizer, tokenizer: Tokenizer, tasks: Se
                          batch.mask, max_new_tokens=settings.max_new_tokens,
                          context_length=policy.config.context_length),
                      tokens_trained=positions,
-                     tokens_scored=0 if batch.old_logp is None else 2 * positions)
+                     tokens_scored=0 if batch.ref_logp is None else positions)
 
 
 # ------------------------------------------------------------ rejection sampling (RFT)
