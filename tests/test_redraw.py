@@ -124,6 +124,8 @@ def test_a_draw_replaces_its_own_section_of_the_report_and_keeps_the_others(
     (["seed", "--shift", "0"], "--shift must be from 1 to 4294967295, got 0"),
     (["seed", "native", "--cache", "x"], "--cache names one draw's cache"),
     (["native", "--jobs", "0"], "--jobs must be at least 1, got 0"),
+    (["retrain"], "the retrain draw is a re-read's working list, not a redraw: give it a "
+                  "--report of its own (not docs/redraw.md)"),
 ])
 def test_bad_arguments_are_refused(argv: list[str], message: str,
                                    capsys: pytest.CaptureFixture[str]) -> None:

@@ -9,6 +9,11 @@ reader's book from an empty cache and reports what happened:
     .venv/bin/python tools/redraw.py seed      # every random stream redrawn (MINIGPT_SEED_SHIFT)
     .venv/bin/python tools/redraw.py native    # PyTorch's own products (MINIGPT_PRODUCTS=native)
     .venv/bin/python tools/redraw.py seed native --shift 7
+    .venv/bin/python tools/redraw.py retrain   # nothing redrawn: the book's own draw, afresh
+
+The third is the re-read's list after a change that moves the models' bits (a new kernel, a
+changed recipe): the book as this commit trains it, against the stored notebooks the last
+baseline wrote; it is not kept in the report (``--report`` names a file of its own).
 
 Each draw is a fresh set-up: an empty cache of its own (``_build/redraw/<draw>-cache``, or
 ``--cache``; ``--again`` keeps what it holds, to run the chapters again on the draw's models),
@@ -69,12 +74,15 @@ WORK = ROOT / "_build" / "redraw"
 DRAWS = {
     "seed": lambda shift: {"MINIGPT_SEED_SHIFT": str(shift)},
     "native": lambda shift: {"MINIGPT_PRODUCTS": "native"},
+    "retrain": lambda shift: {},
 }
 DESCRIPTIONS = {
     "seed": "another seed: every random stream of every model and kept run redrawn "
             "(`MINIGPT_SEED_SHIFT={shift}`)",
     "native": "other rounding: PyTorch's own matrix products (`MINIGPT_PRODUCTS=native`), "
               "what a reader off Linux x86-64 computes, in kind",
+    "retrain": "the book's own draw, trained afresh by this commit's code: after a change "
+               "that moves the models' bits, the list its re-read works from",
 }
 #: A number as the chapters print and quote it: a sign, digits with thousands' commas, a
 #: decimal part. Only numbers with a decimal point are compared (counts and years are not
@@ -525,6 +533,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--cache names one draw's cache: give one draw with it")
     if args.only and args.report_only:
         parser.error("--only runs chapters again, --report-only runs none: give one")
+    if "retrain" in args.draws and args.report.resolve() == REPORT:
+        parser.error(f"the retrain draw is a re-read's working list, not a redraw: give it a "
+                     f"--report of its own (not {REPORT.relative_to(ROOT)})")
     if args.only or args.report_only:
         for draw in dict.fromkeys(args.draws):  # before anything runs
             try:
