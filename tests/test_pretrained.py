@@ -329,7 +329,8 @@ def test_comments_docstrings_and_blank_lines_are_not_part_of_the_key(tmp_path) -
         source = path.read_text(encoding="utf-8")
         code = pretrained.code_text(path)
         copy = tmp_path / path.name
-        comment = "  // a note" if path.suffix == ".cpp" else "  # a note"
+        cpp = path.suffix in (".cpp", ".h")
+        comment = "  // a note" if cpp else "  # a note"
         lines = source.splitlines()
         # A comment after the first line of code, blank lines and spaces at the end.
         first = next(i for i, line in enumerate(lines) if line and not line.startswith(
@@ -338,7 +339,7 @@ def test_comments_docstrings_and_blank_lines_are_not_part_of_the_key(tmp_path) -
         copy.write_text("\n".join(lines) + "\n\n   \n", encoding="utf-8")
         assert pretrained.code_text(copy) == code, path.name
         # A line of code more: another code text.
-        copy.write_text(source + ("int x = 0;\n" if path.suffix == ".cpp" else "x = 0\n"),
+        copy.write_text(source + ("int x = 0;\n" if cpp else "x = 0\n"),
                         encoding="utf-8")
         assert pretrained.code_text(copy) != code, path.name
 

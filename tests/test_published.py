@@ -12,6 +12,7 @@ import http.server
 import json
 import logging
 import os
+import platform
 import shutil
 import socket
 import subprocess
@@ -26,6 +27,7 @@ import pytest
 import torch
 from helpers import ROOT
 
+from minigpt import products
 from minigpt.config import TrainConfig
 from minigpt.files import cache_dir
 from minigpt.recipes import catalogue, pretrained, published
@@ -285,17 +287,31 @@ def test_the_record_leaves_out_only_what_a_rerun_measures_differently(
         assert published.record_sha256(other) != published.record_sha256(manifest), change
 
 
-@pytest.mark.book
-def test_the_books_own_models_are_published_and_a_reader_fetches_them(
-        tmp_path: Path, reader: Path, trainings: list[int],
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    # tools/publish.py over set-up's cache (as `make book` runs it): every model of the
-    # book, each named by its hashes, and an index that is models.json.
-    site = tmp_path / "site"
+@pytest.fixture(scope="module")
+def book_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tools/publish.py over set-up's cache (as `make book` runs it): the book's site."""
+    site = tmp_path_factory.mktemp("book") / "site"
     done = subprocess.run([sys.executable, str(ROOT / "tools" / "publish.py"), str(site)],
                           env=os.environ | {"MINIGPT_CACHE": str(SET_UP_CACHE)},
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
+    return site
+
+
+def _with_assets(reader: Path) -> None:
+    """The reader's cache holds set-up's corpus and other assets, but no model or run."""
+    reader.mkdir(parents=True)
+    for asset in SET_UP_CACHE.iterdir():
+        if asset.name not in ("models", "runs"):
+            (reader / asset.name).symlink_to(asset)
+
+
+@pytest.mark.book
+def test_the_books_own_models_are_published_and_a_reader_fetches_them(
+        book_site: Path, reader: Path, trainings: list[int],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every model of the book, each named by its hashes, and an index that is models.json.
+    site = book_site
     stored = STORED_INDEX()
     assert json.loads((site / "index.json").read_text(encoding="utf-8")) == stored
     assert sorted(stored) == sorted(catalogue.MODELS)
@@ -306,10 +322,7 @@ def test_the_books_own_models_are_published_and_a_reader_fetches_them(
         {e["weights_sha256"] for e in everything})
     # A reader with the corpus but no model fetches one model of each kind, and trains none.
     monkeypatch.setattr(published, "index", STORED_INDEX)
-    reader.mkdir(parents=True)
-    for asset in SET_UP_CACHE.iterdir():
-        if asset.name != "models":
-            (reader / asset.name).symlink_to(asset)
+    _with_assets(reader)
     with serving(site) as (url, requests):
         monkeypatch.setenv(published.URL_VARIABLE, url)
         for name in ("book", "sft-0", "rl-grpo-0", "copy-0"):
@@ -322,3 +335,134 @@ def test_the_books_own_models_are_published_and_a_reader_fetches_them(
             assert published.fetch(key, folder), chapter
             assert {"chapter": chapter, **published.entry(folder)} == runs[key]
     assert trainings == []
+
+
+def test_the_machine_that_publishes_trains_in_the_books_environment() -> None:
+    # The tests run where the book is built and published (Linux x86-64, the pinned PyTorch's
+    # CPU build, the package's products); anywhere else this machine's models are not the
+    # book's, and the book's own are used (book_material).
+    pinned = next(line.split("==")[1] for line in
+                  (ROOT / "requirements.txt").read_text(encoding="utf-8").splitlines()
+                  if line.startswith("torch=="))
+    assert published.BOOK_ENVIRONMENT["torch"] == f"{pinned}+cpu"
+    mine = pretrained.environment()
+    reference = (sys.platform == "linux" and platform.machine() == "x86_64"
+                 and torch.__version__ == f"{pinned}+cpu" and products.mode() == "fma chains")
+    assert (published.book_material(mine) is None) == reference
+    assert published.book_material(mine | {"products": "native"}) == mine | {
+        "products": "fma chains"} | published.BOOK_ENVIRONMENT
+    assert published.book_material(mine | {"seed_shift": 1, "torch": "2.13.0"}) is None
+
+
+#: A reader whose products are PyTorch's own (as on a machine where the package's do not
+#: give the book's bits): the book's models and a kept run, asked for as the chapters ask.
+NATIVE_READER = """
+import json, sys
+from pathlib import Path
+from minigpt import products
+from minigpt.recipes import catalogue, pretrained, published
+from minigpt.recipes.runs import run_folder
+
+assert products.mode() == "native"
+setup, run_key = Path(sys.argv[1]), sys.argv[2]
+infos = {name: catalogue.MODELS[name]()[2] for name in ("book", "sft-0", "rl-grpo-0", "copy-0")}
+# a kept run as trained_runs asks for it: its recipe in this machine's environment
+recipe = json.loads((setup / "runs" / run_key[:20] / "manifest.json").read_text())
+mine = recipe["key_material"] | pretrained.environment()
+key = pretrained.cache_key(mine)
+run = pretrained.kept_model(run_folder(key), key, mine)
+print(json.dumps({"models": {n: [i.built, i.fetched, published.entry(i.path)]
+                             for n, i in infos.items()},
+                  "run": [run.key, run.fetched, key]}))
+"""
+
+
+@pytest.mark.book
+def test_a_machine_with_other_bits_uses_the_books_models_and_says_so_once(
+        book_site: Path, reader: Path) -> None:
+    _with_assets(reader)
+    run_key = next(iter(published.runs_index()))
+    with serving(book_site) as (url, _):
+        done = subprocess.run(
+            [sys.executable, "-c", NATIVE_READER, str(SET_UP_CACHE), run_key],
+            env=os.environ | {"MINIGPT_PRODUCTS": "native", "MINIGPT_CACHE": str(reader),
+                              published.URL_VARIABLE: url},
+            capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout)
+    stored = STORED_INDEX()
+    for name, (built, fetched, entry) in got["models"].items():
+        assert not built and fetched and entry == stored[name], name
+    found_key, fetched, local_key = got["run"]
+    assert found_key == run_key and fetched and local_key != run_key
+    said = done.stderr.count("minigpt: this machine trains other bits than the book's")
+    assert said == 1, done.stderr
+    assert "products 'native', not 'fma chains'" in " ".join(done.stderr.split())
+    # nothing of this machine's own was trained or kept: the book's models (those asked for
+    # and their parents), under the book's keys
+    kept = {p.name for p in (reader / "models").iterdir() if not p.name.startswith(".")}
+    assert {stored[name]["key"][:20] for name in got["models"]} <= kept
+    assert kept <= {e["key"][:20] for e in stored.values()}
+
+
+#: A reader whose products are PyTorch's own, as on a machine where the package's do not
+#: give the book's bits: the tiny model, published from the book's environment, asked for
+#: twice as a model and once as a kept run would be (its key material in this machine's
+#: environment).
+TINY_NATIVE_READER = """
+import json, sys
+from minigpt import products
+from minigpt.recipes import pretrained, published
+from minigpt.recipes.runs import run_folder
+sys.path.insert(0, sys.argv[1])
+from test_published import TEXT, TINY
+
+assert products.mode() == "native"
+entry = json.loads(sys.argv[2])
+published.index = lambda: {"tiny": entry}
+first = pretrained.load_or_build(TINY, TEXT)[2]
+again = pretrained.load_or_build(TINY, TEXT)[2]
+mine = pretrained.key_material(TINY, TEXT)
+key = pretrained.cache_key(mine)
+run = pretrained.kept_model(run_folder(key), key, mine)
+print(json.dumps({"first": [first.key, first.built, first.fetched],
+                  "again": [again.key, again.built, again.fetched],
+                  "run": run and [run.key, run.fetched], "mine": key}))
+"""
+
+
+def test_a_machine_with_other_bits_fetches_the_books_model_and_says_so_once(
+        site: tuple[Path, dict[str, Any]], reader: Path) -> None:
+    with serving(site[0]) as (url, requests):
+        done = subprocess.run(
+            [sys.executable, "-c", TINY_NATIVE_READER, str(ROOT / "tests"),
+             json.dumps(site[1])],
+            env=os.environ | {"MINIGPT_PRODUCTS": "native", "MINIGPT_CACHE": str(reader),
+                              published.URL_VARIABLE: url},
+            capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout)
+    book = site[1]["key"]
+    assert got["mine"] != book  # this machine's own key: another environment
+    assert got["first"] == [book, False, True]  # the book's, fetched, not trained
+    assert got["again"] == [book, False, False]  # then kept, and the site not asked again
+    assert got["run"] == [book, True] and len(requests) == 4  # a run's folder fetches its own
+    assert done.stderr.count("this machine trains other bits than the book's") == 1
+    assert "products 'native', not 'fma chains'" in " ".join(done.stderr.split())
+    assert [p.name for p in (reader / "models").iterdir() if not p.name.startswith(".")] == [
+        book[:20]]
+
+
+def test_without_the_books_model_a_machine_with_other_bits_trains_its_own(
+        site: tuple[Path, dict[str, Any]], reader: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", TINY_NATIVE_READER, str(ROOT / "tests"), json.dumps(site[1])],
+        env=os.environ | {"MINIGPT_PRODUCTS": "native", "MINIGPT_CACHE": str(reader),
+                          published.URL_VARIABLE: "off"},
+        capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout)
+    mine = got["mine"]
+    assert got["first"] == [mine, True, False] and got["again"] == [mine, False, False]
+    assert got["run"] is None  # (a run is kept in a folder of its own: none yet)
+    assert "other bits" not in done.stderr

@@ -53,7 +53,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import safetensors.torch
@@ -150,7 +150,9 @@ class ModelInfo:
     """What `book_model` returns besides the model and the tokenizer.
 
     Attributes:
-        key: the cache key (hex).
+        key: the cache key (hex) of the model loaded: on a machine whose environment is not
+            the book's, the book's own model's (`minigpt.recipes.published.book_material`)
+            when that one is used.
         path: the cache folder, `<cache>/models/<key>/`.
         built: True if this call trained the model, False if it loaded it.
         fetched: True if this call fetched the model (`minigpt.recipes.published`) and loaded it.
@@ -513,28 +515,66 @@ def cached_model(material: dict[str, Any], build: Builder, *, progress: bool = F
                 made = build(say, folder)
             model, manifest = store_model(folder, key, material, made, calls)
         else:
-            model, manifest, _ = found
+            model, manifest = found.model, found.manifest
+            key, folder = found.key, found.folder
     info = ModelInfo(key=key, path=folder, built=found is None,
-                     fetched=found is not None and found[2],
+                     fetched=found is not None and found.fetched,
                      load_seconds=time.perf_counter() - start, manifest=manifest)
     return model, info
 
 
+class Kept(NamedTuple):
+    """A model `kept_model` found: loaded and verified, with its manifest, whether it was
+    fetched, and its cache key and folder (the book's own, where one was used)."""
+
+    model: GPT
+    manifest: dict[str, Any]
+    fetched: bool
+    key: str
+    folder: Path
+
+
 def kept_model(folder: Path, key: str, material: dict[str, Any], *, progress: bool = False,
-               say: Callable[[str], None] = log.info,
-               ) -> tuple[GPT, dict[str, Any], bool] | None:
+               say: Callable[[str], None] = log.info) -> Kept | None:
     """The model of ``key`` kept in ``folder`` if it is there and intact, else fetched there
-    from the book's published models (`minigpt.recipes.published`), with its manifest and
-    whether it was fetched; None if it is neither (a damaged one is warned of). The caller
-    holds the folder's lock (`folder_lock`)."""
-    if folder.exists() and (loaded := _load_or_warn(folder, key, material, "cached")):
-        return (*loaded, False)
+    from the book's published models (`minigpt.recipes.published`); None if it is neither
+    (a damaged one is warned of). The caller holds the folder's lock (`folder_lock`).
+
+    On a machine whose environment trains other bits than the book's (another platform,
+    PyTorch build or products: `minigpt.recipes.published.book_material`), the book's own
+    model comes first: kept beside this machine's, under its own key, or fetched; this
+    machine's is kept or trained only where the book's cannot be had."""
     # Fetching decides none of the weights (they are checked against the stored hashes):
     # not a training module, so imported here, outside the key.
     from minigpt.recipes import published
-    if published.fetch(key, folder, progress=progress, say=say) and (
+    book = published.book_material(material)
+    if book is None:
+        return _kept_or_fetched(folder, key, material, progress=progress, say=say)
+    book_key = cache_key(book)
+    book_folder = folder.parent / book_key[:20]
+    with folder_lock(book_folder):
+        found = _kept_or_fetched(book_folder, book_key, book, progress=progress, say=say,
+                                 fetch=False)
+        if found is None:
+            mine = _kept_or_fetched(folder, key, material, progress=progress, say=say,
+                                    fetch=False)
+            if mine is not None:  # trained here once when the book's could not be had
+                return mine
+            found = _kept_or_fetched(book_folder, book_key, book, progress=progress, say=say)
+    if found is not None:
+        published.said_once(material)
+    return found
+
+
+def _kept_or_fetched(folder: Path, key: str, material: dict[str, Any], *, progress: bool,
+                     say: Callable[[str], None], fetch: bool = True) -> Kept | None:
+    """`kept_model`'s two places for one key: the cache, then (``fetch``) the site."""
+    if folder.exists() and (loaded := _load_or_warn(folder, key, material, "cached")):
+        return Kept(*loaded, fetched=False, key=key, folder=folder)
+    from minigpt.recipes import published
+    if fetch and published.fetch(key, folder, progress=progress, say=say) and (
             loaded := _load_or_warn(folder, key, material, "fetched")):
-        return (*loaded, True)
+        return Kept(*loaded, fetched=True, key=key, folder=folder)
     return None
 
 

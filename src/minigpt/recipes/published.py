@@ -41,6 +41,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import textwrap
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -72,6 +73,47 @@ MAX_MANIFEST_BYTES = 64 << 20
 VOLATILE = {"metrics": ("median_step_ms", "tokens_per_second", "train_seconds",
                         "total_seconds", "train_cpu_seconds"),
             "history": ("step_ms",)}
+
+
+#: The environment the book's models and kept runs are trained in, as
+#: `minigpt.recipes.pretrained.environment` records it in their keys: Linux x86-64, the pinned
+#: PyTorch's CPU build, its kernels pinned to AVX2 (`minigpt.PINNED_CPU_KERNELS`) and the
+#: package's own products. A machine whose environment differs in any of these trains other
+#: bits; it uses the book's models instead (`book_material`). tests/test_published.py checks
+#: that the machine that runs the tests, the one that publishes, is in this environment.
+BOOK_ENVIRONMENT: dict[str, Any] = {
+    "torch": "2.13.0+cpu", "cpu_kernels": "AVX2",
+    "kernel_settings": {"MKL_CBWR": "AVX2,STRICT", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+    "products": "fma chains"}
+#: Whether this process has said that it uses the book's models (`said_once`).
+_SAID: list[str] = []
+
+
+def book_material(material: dict[str, Any]) -> dict[str, Any] | None:
+    """The key material of the book's own model of ``material`` (a model's or a kept run's,
+    `minigpt.recipes.pretrained.model_material`) where this machine's environment is not
+    `BOOK_ENVIRONMENT`: the same recipe, code and parent, in the book's environment. None
+    where the environment is the book's (the machine trains the book's bits itself) or the
+    draw is another (``seed_shift``: a redraw wants its own models)."""
+    if material.get("seed_shift") or all(material.get(name) == value
+                                          for name, value in BOOK_ENVIRONMENT.items()):
+        return None
+    return material | BOOK_ENVIRONMENT
+
+
+def said_once(material: dict[str, Any]) -> None:
+    """Say, once a process, on standard error, that the book's own models are used on this
+    machine, which computes with other bits: what of its environment differs."""
+    if _SAID:
+        return
+    differs = [f"{name} {material.get(name)!r}, not {value!r}"
+               for name, value in BOOK_ENVIRONMENT.items() if material.get(name) != value]
+    _SAID.append("; ".join(differs))
+    said = (f"minigpt: this machine trains other bits than the book's ({_SAID[0]}). It uses "
+            "the book's models as published, trained on Linux x86-64 with PyTorch's CPU build "
+            "and the package's own matrix products; what it computes with them may differ "
+            "from the book's printed numbers in the last digits.")
+    print(textwrap.fill(said, 88), file=sys.stderr, flush=True)
 
 
 class FetchError(RuntimeError):

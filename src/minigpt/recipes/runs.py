@@ -97,7 +97,8 @@ def trained_runs(runs: Sequence[Run], pool: RunPool, *,
         folder = run_folder(key, cache)
         with folder_lock(folder):
             if (kept := kept_model(folder, key, material)) is not None:
-                found[i] = kept[:2]
+                found[i] = kept.model, kept.manifest
+                keys[i] = kept.key  # the book's own run, where this machine's bits differ
     missing = [i for i in range(len(runs)) if i not in found]
     if missing:
         log.info("training %d of %d runs (%d kept)", len(missing), len(runs), len(found))
