@@ -27,7 +27,7 @@ PY := $(BIN)/python
 STAMP := $(VENV)/.installed
 NPM_STAMP := node_modules/.installed
 
-.PHONY: book pdf test reproduce redraw unit nbval setup assets book-model playground system-deps baseline lint linkcheck clean
+.PHONY: book pdf test reproduce redraw chapters unit nbval setup assets book-model playground system-deps baseline lint linkcheck clean
 
 # pip would byte-compile every module of every package it installs, PyTorch's thousands of
 # modules that the book never imports included (a minute on one core); --no-compile leaves
@@ -247,6 +247,14 @@ test: lint system-deps book
 # those marked slow (processes started, thousands of samples, compilation). SLOW=1 runs
 # those too, as the workflow's unit jobs do: `make unit SLOW=1`.
 SLOW ?=
+# Every chapter executed on this machine, without the site: set-up (the book's models, fetched
+# where the book publishes them: on a machine that trains other bits than the book's, the book's
+# own, said once), then each chapter as the build executes it (tools/execute_chapters.py); a
+# chapter whose cell fails fails the target. CI runs it on macOS, Windows and Linux on arm64 with
+# the models the test job published.
+chapters: setup
+	$(PY) tools/execute_chapters.py --jobs $(CHAPTER_JOBS)
+
 unit: setup
 	$(PY) -m pytest -m "not book$(if $(SLOW),, and not slow)"
 

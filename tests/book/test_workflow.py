@@ -222,6 +222,25 @@ def test_unit_tests_run_on_three_systems_and_on_the_oldest_torch() -> None:
     assert cache[0]["with"]["path"] == "~/.cache/minigpt"
 
 
+def test_the_chapters_run_elsewhere_with_the_models_the_test_job_used() -> None:
+    # macOS, Windows and Linux on arm64 train other bits than the book's: they fetch the
+    # models the test job published (as an artifact, served on a local port) and execute
+    # every chapter with them.
+    job = _workflow()["jobs"]["chapters"]
+    assert job["needs"] == "test" and job["strategy"]["fail-fast"] is False
+    assert sorted(job["strategy"]["matrix"]["os"]) == [
+        "macos-latest", "ubuntu-24.04-arm", "windows-latest"]
+    (upload,) = [s for s in _steps("test") if s.get("with", {}).get("name") == "models"]
+    assert upload["with"]["path"] == "_build/html/models" and "if" not in upload
+    (download,) = [s for s in _steps("chapters")
+                   if str(s.get("uses", "")).startswith("actions/download-artifact@")]
+    folder = download["with"]["path"]
+    assert download["with"]["name"] == "models"
+    serve, run = _run_commands("chapters")
+    assert serve.startswith("python -m http.server 8765") and f"--directory {folder}" in serve
+    assert serve.endswith("&") and run == "MINIGPT_MODELS_URL=http://127.0.0.1:8765 make chapters"
+
+
 def test_the_link_check_runs_weekly_and_on_demand_and_keeps_its_report() -> None:
     links = _workflow(LINKS)
     assert set(links["on"]) == {"schedule", "workflow_dispatch"}  # never on a push
