@@ -583,12 +583,6 @@ def test_a_bad_recipe_is_refused_with_the_reason(overrides, message):
         CopyRecipe(**overrides)
 
 
-def test_the_book_recipes_are_valid():
-    assert set(copiers.RECIPES) == set(copiers.MODELS)
-    for recipe in copiers.RECIPES.values():
-        assert 2 * copiers.SHOWN_HALF - 1 <= recipe.context_length
-
-
 def _row_copy(row: torch.Tensor) -> tuple[int, int]:
     """(place, length) of the one repeated stretch of a row made from an arange stream."""
     step = row[1:] - row[:-1]

@@ -229,8 +229,6 @@ def test_the_evaluation_counts_what_it_says() -> None:
 # ----------------------------------------------------------------------------- names
 
 def test_set_up_caches_the_cold_start_and_every_run_by_name() -> None:
-    runs = [n for n in rewards.MODELS if n != "rl-cold"]
-    assert runs == [f"rl-{m}-{s}" for m in METHODS for s in rewards.SEEDS]
     assert len(rewards.SEEDS) >= 3  # a comparison of methods needs their seeds' spread
     assert set(rewards.MODELS) <= set(catalogue.MODELS)
     assert catalogue.ALIASES["rl"] in catalogue.MODELS

@@ -331,7 +331,8 @@ def test_the_cold_start_trains_a_copy() -> None:
     assert len(history["loss"]) == 3 and not start.training and start is not model
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert any(not torch.equal(before[k], v) for k, v in start.state_dict().items())
-    assert COLD_START.replay_fraction == 0.5
+    # the book's cold start keeps the older families by replaying them in every batch
+    assert COLD_START.replay_fraction > 0
 
 
 @pytest.mark.parametrize("field, value, needle", [
