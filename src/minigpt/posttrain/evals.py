@@ -226,6 +226,13 @@ def edit_distance(a: str, b: str) -> int:
     return row[-1]
 
 
+def longest_repeat(text: str) -> int:
+    """The length of the longest stretch of characters that occurs twice in ``text`` (the two
+    may overlap): how far a decoder that settles on a phrase repeats it."""
+    return max((n for n in range(1, len(text)) for i in range(len(text) - n)
+                if text.find(text[i:i + n], i + 1) != -1), default=0)
+
+
 def exact_match_by_turn(model: GPT, tokenizer: Tokenizer, tasks: Sequence[Task], *,
                         n_turns: int = 4, seed: int = 0, max_new_tokens: int = 32,
                         ) -> TurnMatch:
