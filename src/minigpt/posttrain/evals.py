@@ -18,7 +18,7 @@ the same questions asked alone: a conversation's later turns are read in a conte
 holds the earlier ones, or what is left of them, which `exact_match` never shows a model.
 
 `benchmark_table` runs everything on a list of named models; `edit_distance` says how near
-a wrong answer is.
+a wrong answer is, and `longest_repeat` how far a text repeats itself.
 """
 
 from __future__ import annotations
