@@ -25,6 +25,7 @@ from minigpt.posttrain.evals import (
     edit_distance,
     exact_match_by_turn,
     format_table,
+    longest_repeat,
     make_choices,
     model_scorer,
     multiple_choice,
@@ -238,3 +239,10 @@ def test_edit_distance_is_a_distance(a: str, b: str, c: str) -> None:
     assert d == edit_distance(b, a) and (d == 0) == (a == b)
     assert abs(len(a) - len(b)) <= d <= max(len(a), len(b))
     assert edit_distance(a, c) <= d + edit_distance(b, c)
+
+
+def test_the_longest_repeat_is_the_longest_stretch_that_occurs_twice() -> None:
+    assert longest_repeat("") == longest_repeat("abc") == 0
+    assert longest_repeat("abcab") == 2
+    assert longest_repeat("aaaa") == 3  # the two may overlap
+    assert longest_repeat("to be or not to be") == 5  # "to be"

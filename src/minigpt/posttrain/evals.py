@@ -18,7 +18,7 @@ the same questions asked alone: a conversation's later turns are read in a conte
 holds the earlier ones, or what is left of them, which `exact_match` never shows a model.
 
 `benchmark_table` runs everything on a list of named models; `edit_distance` says how near
-a wrong answer is.
+a wrong answer is, and `longest_repeat` how far a text repeats itself.
 """
 
 from __future__ import annotations
@@ -223,6 +223,13 @@ def edit_distance(a: str, b: str) -> int:
             diagonal, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1,
                                            diagonal + (char != other))
     return row[-1]
+
+
+def longest_repeat(text: str) -> int:
+    """The length of the longest stretch of characters that occurs twice in ``text`` (the two
+    may overlap): how far a decoder that settles on a phrase repeats it."""
+    return max((n for n in range(1, len(text)) for i in range(len(text) - n)
+                if text.find(text[i:i + n], i + 1) != -1), default=0)
 
 
 def exact_match_by_turn(model: GPT, tokenizer: Tokenizer, tasks: Sequence[Task], *,
