@@ -20,7 +20,12 @@ import torch
 import torch.nn.functional as F
 
 from minigpt import products
-from minigpt.attention import MultiHeadAttention, causal_mask, scaled_dot_product_attention
+from minigpt.attention import (
+    MultiHeadAttention,
+    causal_mask,
+    scaled_dot_product_attention,
+    softmax_over_keys,
+)
 
 pytestmark = pytest.mark.skipif(
     products.mode() == "native",
@@ -301,4 +306,124 @@ def test_a_compiled_function_computes_the_packages_products() -> None:
     compiled, x.grad = x.grad, None
     f(x).backward()
     assert len(recorded) >= 4
+    assert torch.equal(compiled, x.grad)
+
+
+def _scores(batch: int, heads: int, length: int, *, past: int = 0, seed: int = 0,
+            scale: float = 4.0) -> torch.Tensor:
+    """Causal attention scores as the book's models make them: masked keys -inf."""
+    raw = _random(batch, heads, length, past + length, seed=seed) * scale
+    return raw.masked_fill(~causal_mask(length, past=past)[0], float("-inf"))
+
+
+def test_the_fused_softmax_is_a_softmax_and_its_gradient_one() -> None:
+    # Against float64's softmax and gradient: within about ten float32 units in the last
+    # place of 1 (PyTorch's own float32 softmax: about half these errors, measured).
+    scores = _scores(3, 4, 50, past=7, scale=8.0).requires_grad_()
+    weights = softmax_over_keys(scores)
+    grad = _random(*weights.shape, seed=5)
+    weights.backward(grad)
+    wide = scores.detach().double().requires_grad_()
+    expected = torch.softmax(wide, dim=-1)
+    expected.backward(grad.double())
+    assert scores.grad is not None and wide.grad is not None
+    assert torch.allclose(weights.double(), expected, rtol=0, atol=1e-6)
+    assert torch.allclose(scores.grad.double(), wide.grad, rtol=0, atol=2e-6)
+    assert torch.equal(weights[..., 0, 8:], torch.zeros_like(weights[..., 0, 8:]))  # masked
+    # a score 200 below the row's maximum has weight 0, one of 0 has weight 1 / count
+    row = torch.tensor([[0.0, -200.0, 0.0, float("-inf")]])
+    assert torch.equal(softmax_over_keys(row), torch.tensor([[0.5, 0.0, 0.5, 0.0]]))
+    assert torch.isnan(softmax_over_keys(torch.tensor([[0.0, float("nan")]]))).all()
+
+
+def test_the_fused_softmax_row_ignores_the_masked_keys_after_it() -> None:
+    # A query decoded with a key-value cache (P + 1 keys) against the same query's row in a
+    # training forward (T keys, the later ones masked): the same bits, weights and gradients.
+    raw = _random(2, 3, 40, 40, seed=2) * 4
+    whole = softmax_over_keys(raw, causal_mask(40))
+    # the mask given, or the masked scores -inf: the same bits
+    assert torch.equal(whole, softmax_over_keys(_scores(2, 3, 40, seed=2)))
+    grad = _random(*whole.shape, seed=3)
+    whole_grad = torch.ops.minigpt_products.softmax_over_keys_backward(whole, grad)
+    for i in (0, 1, 9, 23, 39):
+        alone = softmax_over_keys(raw[..., i:i + 1, :i + 1], causal_mask(1, past=i))
+        assert torch.equal(alone, whole[..., i:i + 1, :i + 1]), i
+        alone_grad = torch.ops.minigpt_products.softmax_over_keys_backward(
+            alone, grad[..., i:i + 1, :i + 1])
+        assert torch.equal(alone_grad, whole_grad[..., i:i + 1, :i + 1]), i
+    # a mask over the batch and the heads as well, against PyTorch's masked softmax
+    mask = _random(2, 3, 40, 40, seed=4) > -1.0
+    mask[..., 0] = True
+    assert torch.allclose(softmax_over_keys(raw, mask),
+                          torch.softmax(raw.masked_fill(~mask, float("-inf")), dim=-1),
+                          rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_the_fused_softmax_is_the_same_bits_on_any_threads(threads: int) -> None:
+    scores = _scores(8, 6, 64, seed=4)
+    grad = _random(*scores.shape, seed=6)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = softmax_over_keys(scores)
+        one_grad = torch.ops.minigpt_products.softmax_over_keys_backward(one, grad)
+        torch.set_num_threads(threads)
+        got = softmax_over_keys(scores)
+        got_grad = torch.ops.minigpt_products.softmax_over_keys_backward(got, grad)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got, one) and torch.equal(got_grad, one_grad)
+
+
+SOFTMAX_DIGEST = """
+import hashlib, torch
+from minigpt.attention import causal_mask, softmax_over_keys
+digest = hashlib.sha256()
+for length, past, scale in ((1, 0, 1.0), (7, 0, 30.0), (33, 5, 4.0), (64, 0, 90.0)):
+    g = torch.Generator().manual_seed(length)
+    raw = torch.randn(2, 3, length, past + length, generator=g) * scale
+    raw[0, 0, 0, 0] = -86.99
+    scores = raw.requires_grad_()
+    weights = softmax_over_keys(scores, causal_mask(length, past=past))
+    weights.backward(torch.randn(weights.shape, generator=g))
+    digest.update(weights.detach().numpy().tobytes() + scores.grad.numpy().tobytes())
+print(digest.hexdigest())
+"""
+
+
+def test_the_fused_softmax_is_the_same_bits_on_every_path() -> None:
+    # The AVX2 code and the portable code (what a CPU without AVX2 runs): the same bits.
+    def digest(path: str) -> str:
+        env = {**os.environ, "MINIGPT_GEMM_PATH": path}
+        done = subprocess.run([sys.executable, "-c", SOFTMAX_DIGEST], env=env,
+                              capture_output=True, text=True, check=True)
+        return done.stdout.strip()
+
+    assert digest("portable") == digest("avx2")
+
+
+def test_the_fused_softmax_refuses_what_it_does_not_compute() -> None:
+    with pytest.raises(RuntimeError, match="float32 CPU tensor with at least one key"):
+        torch.ops.minigpt_products.softmax_over_keys(torch.ones(2, 0), None)
+    with pytest.raises(RuntimeError, match="boolean CPU tensor"):
+        softmax_over_keys(torch.ones(2, 3), torch.ones(2, 3))
+    with pytest.raises(RuntimeError, match="differ in shape"):
+        torch.ops.minigpt_products.softmax_over_keys_backward(torch.ones(2, 3), torch.ones(3, 2))
+    # float64 takes the same order in PyTorch's operations: a row alone has the whole's bits
+    scores = _scores(1, 2, 20, seed=7).double()
+    alone = softmax_over_keys(scores[..., 5:6, :6])
+    assert torch.equal(alone, softmax_over_keys(scores)[..., 5:6, :6])
+
+
+def test_a_compiled_attention_takes_the_fused_softmax() -> None:
+    attention = MultiHeadAttention(32, 4)
+    x = _random(2, 9, 32).requires_grad_()
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return attention(x)[0].square().sum()
+
+    torch.compile(f)(x).backward()
+    compiled, x.grad = x.grad, None
+    f(x).backward()
     assert torch.equal(compiled, x.grad)

@@ -64,22 +64,31 @@ def scaled_dot_product_attention(
         weights a probability distribution over the keys.
     """
     d_k = q.shape[-1]
-    scores = q @ k.transpose(-2, -1) / math.sqrt(d_k)  # (..., T_q, T_k)
-    if mask is not None:
-        # exp(-inf) = 0: a masked key gets exactly zero weight.
-        scores = scores.masked_fill(~mask, float("-inf"))
-    weights = softmax_over_keys(scores)
+    # Q K^T / sqrt(d_k), the queries scaled first: T_q d_k divisions, not T_q T_k.
+    scores = (q / math.sqrt(d_k)) @ k.transpose(-2, -1)  # (..., T_q, T_k)
+    weights = softmax_over_keys(scores, mask)  # a masked key gets exactly zero weight
     attended = F.dropout(weights, p=dropout_p) if dropout_p > 0.0 else weights
     return attended @ v, weights
 
 
-def softmax_over_keys(scores: Tensor) -> Tensor:
-    """softmax over the last dimension, whose bits do not depend on how many masked keys
-    (-inf) follow the allowed ones: the maximum (exact), exp of each score (elementwise),
-    and the sum taken left to right (cumsum's last entry, to which a masked key adds an exact
-    zero). `torch.softmax` sums with vector lanes whose layout follows the row's length, so
-    a query decoded alone with a key-value cache (P + 1 keys) would get other last bits than
-    the same query in a training forward (T keys, the later ones masked)."""
+def softmax_over_keys(scores: Tensor, mask: Tensor | None = None) -> Tensor:
+    """softmax over the last dimension, a key where ``mask`` (boolean, broadcastable to the
+    scores) is False getting weight exactly 0, whose bits do not depend on how many masked
+    keys follow the allowed ones: the maximum (exact), exp of each score (elementwise), and
+    the sum taken left to right (to which a masked key adds an exact zero). `torch.softmax`
+    sums with vector lanes whose layout follows the row's length, so a query decoded alone
+    with a key-value cache (P + 1 keys) would get other last bits than the same query in a
+    training forward (T keys, the later ones masked).
+
+    Where the package's products compute (float32 on a CPU), one fused kernel a row does it,
+    mask included (``products.cpp``; its exp is the same arithmetic on every CPU); elsewhere
+    the same order in PyTorch's operations (exp(-inf) = 0 for a masked key; cumsum's last
+    entry is the left-to-right sum)."""
+    if scores.dtype == torch.float32 and products.computes(scores):
+        weights: Tensor = torch.ops.minigpt_products.softmax_over_keys(scores, mask)
+        return weights
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
     exps = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
     return exps / exps.cumsum(dim=-1)[..., -1:]
 

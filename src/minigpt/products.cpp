@@ -17,7 +17,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <mutex>
@@ -360,6 +362,309 @@ at::Tensor addmm_activation(const at::Tensor& bias, const at::Tensor& a, const a
   return use_gelu ? at::gelu(out, "tanh") : at::relu(out);
 }
 
+// ---- Attention's softmax over keys: one pass a row, the same bits on every CPU ----
+//
+// A row of scores s_0 .. s_{n-1} becomes weights, in this order (a masked key, where the
+// mask is false, counts nowhere and gets weight 0, as a score of -inf would):
+//   m = the maximum of the allowed scores (exact);  e_j = exp(s_j - m), `exp_floor` below;
+//   z = e_0 + e_1 + ... + e_{n-1}, added left to right;  w_j = e_j / z.
+// A masked key adds an exact zero to z, so a row's weights do not depend on how many masked
+// keys follow the allowed ones: a query decoded alone with a key-value cache (P + 1 keys)
+// gets the bits of the same query in a training forward (T keys, the later ones masked).
+// The backward of the row: d = g_0 w_0 + ... + g_{n-1} w_{n-1}, one fused multiply-add chain
+// left to right; then ds_j = w_j (g_j - d). Rows are independent, so threads (which split
+// rows) never change a bit. Vectors hold neighbouring entries only where each entry's
+// arithmetic is its own (the exp, the division, the backward's last line): the AVX2 and
+// the portable code compute the same operations, each rounded once, so the same bits.
+namespace softmax {
+
+// exp(x) for x <= 0: x = n ln 2 + r with |r| <= ln 2 / 2, e^r by a degree-7 polynomial
+// (Cephes' expf coefficients), times 2^n. Below -87 (where 2^n would leave the normal
+// floats) it is 0, which a weight e^-87 / z < 2e-38 rounds to anyway. NaN stays NaN.
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f;      // ln 2 = kLn2Hi + kLn2Lo, kLn2Hi exact in 9 bits
+constexpr float kLn2Lo = -2.12194440e-4f;
+constexpr float kFloor = -87.0f;
+constexpr float kP[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                         4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+inline float exp_floor(float x) {
+  if (std::isnan(x)) return x;
+  if (x < kFloor) return 0.0f;
+  const float n = std::nearbyint(x * kLog2e);
+  float r = std::fma(n, -kLn2Hi, x);
+  r = std::fma(n, -kLn2Lo, r);
+  float p = kP[0];
+  for (int i = 1; i < 6; ++i) p = std::fma(p, r, kP[i]);
+  const float y = std::fma(p, r * r, r) + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return y * scale;
+}
+
+// The two chains of a row, for R rows side by side (so the CPU overlaps their latencies; each
+// row's chain is its own, in order): z = the sum of w left to right, d = the fma chain of
+// g w. Written once, compiled into the portable code and the AVX2 code alike (where
+// std::fma is one instruction, and elsewhere a call of the C library's fmaf: the same
+// rounding).
+template <int R>
+__attribute__((always_inline)) inline void sum_rows(float* const* w, int64_t n, float* z) {
+  float acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+  for (int64_t j = 0; j < n; ++j) {
+    for (int r = 0; r < R; ++r) acc[r] = acc[r] + w[r][j];
+  }
+  for (int r = 0; r < R; ++r) z[r] = acc[r];
+}
+
+template <int R>
+__attribute__((always_inline)) inline void dot_rows(const float* const* g, float* const* w,
+                                                    int64_t n, float* d) {
+  float acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+  for (int64_t j = 0; j < n; ++j) {
+    for (int r = 0; r < R; ++r) acc[r] = std::fma(g[r][j], w[r][j], acc[r]);
+  }
+  for (int r = 0; r < R; ++r) d[r] = acc[r];
+}
+
+// One row's weights without their division (the portable code): e_j, 0 where masked; and
+// its maximum, over the allowed keys. `keep` as `Rows` says.
+inline void exps_portable(const float* s, const bool* keep, int64_t keep_stride, float* w,
+                          int64_t n) {
+  float m = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) {
+    if ((keep == nullptr || keep[j * keep_stride]) && s[j] > m) m = s[j];
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    w[j] = keep == nullptr || keep[j * keep_stride] ? exp_floor(s[j] - m) : 0.0f;
+  }
+}
+
+// R rows of attention: their scores, weights, mask rows (null: none masked; else the row's
+// keys at keep[j * keep_stride]) and, for the backward, the gradients.
+template <int R>
+struct Rows {
+  const float* s[R];
+  float* w[R];
+  const bool* keep[R];
+  int64_t keep_stride;
+  const float* g[R];
+  float* ds[R];
+};
+
+template <int R>
+void forward_portable(const Rows<R>& rows, int64_t n) {
+  for (int r = 0; r < R; ++r) exps_portable(rows.s[r], rows.keep[r], rows.keep_stride, rows.w[r], n);
+  float z[R];
+  sum_rows<R>(rows.w, n, z);
+  for (int r = 0; r < R; ++r) {
+    for (int64_t j = 0; j < n; ++j) rows.w[r][j] = rows.w[r][j] / z[r];
+  }
+}
+
+template <int R>
+void backward_portable(const Rows<R>& rows, int64_t n) {
+  float d[R];
+  dot_rows<R>(rows.g, rows.w, n, d);
+  for (int r = 0; r < R; ++r) {
+    for (int64_t j = 0; j < n; ++j) rows.ds[r][j] = rows.w[r][j] * (rows.g[r][j] - d[r]);
+  }
+}
+
+#if MINIGPT_GEMM_X86
+#define MINIGPT_SOFTMAX_AVX2 __attribute__((target("avx2,fma")))
+
+MINIGPT_SOFTMAX_AVX2 inline __m256 exp_floor8(__m256 x) {
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-kLn2Hi), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(-kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(kP[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP[i]));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r),
+                                 _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 e = _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+  // Below the floor: 0 (a NaN compares false and stays the NaN the arithmetic made).
+  const __m256 below = _mm256_cmp_ps(x, _mm256_set1_ps(kFloor), _CMP_LT_OQ);
+  return _mm256_andnot_ps(below, e);
+}
+
+// All ones in the lanes of the 8 keys from keep[0] that are allowed (booleans, one byte each).
+MINIGPT_SOFTMAX_AVX2 inline __m256 allowed8(const bool* keep) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(keep));
+  return _mm256_castsi256_ps(
+      _mm256_cmpgt_epi32(_mm256_cvtepu8_epi32(bytes), _mm256_setzero_si256()));
+}
+
+// exps_portable's e_j, 8 keys at a time (the mask's keys adjacent, keep_stride 1, or none).
+// The maximum is exact in any order, so it is taken 8 lanes at a time too.
+MINIGPT_SOFTMAX_AVX2 void exps_avx2(const float* s, const bool* keep, float* w, int64_t n) {
+  const __m256 none = _mm256_set1_ps(-INFINITY);
+  __m256 most = none;
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    __m256 x = _mm256_loadu_ps(s + j);
+    if (keep != nullptr) x = _mm256_blendv_ps(none, x, allowed8(keep + j));
+    most = _mm256_max_ps(most, x);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, most);
+  float m = -INFINITY;
+  for (float lane : lanes) m = lane > m ? lane : m;
+  for (int64_t t = j; t < n; ++t) {
+    if ((keep == nullptr || keep[t]) && s[t] > m) m = s[t];
+  }
+  j = 0;
+  for (; j + 8 <= n; j += 8) {
+    __m256 e = exp_floor8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(m)));
+    if (keep != nullptr) e = _mm256_and_ps(e, allowed8(keep + j));
+    _mm256_storeu_ps(w + j, e);
+  }
+  for (; j < n; ++j) w[j] = keep == nullptr || keep[j] ? exp_floor(s[j] - m) : 0.0f;
+}
+
+template <int R>
+MINIGPT_SOFTMAX_AVX2 void forward_avx2(const Rows<R>& rows, int64_t n) {
+  for (int r = 0; r < R; ++r) {
+    if (rows.keep[r] == nullptr || rows.keep_stride == 1) {
+      exps_avx2(rows.s[r], rows.keep[r], rows.w[r], n);
+    } else {
+      exps_portable(rows.s[r], rows.keep[r], rows.keep_stride, rows.w[r], n);
+    }
+  }
+  float z[R];
+  sum_rows<R>(rows.w, n, z);
+  for (int r = 0; r < R; ++r) {
+    float* w = rows.w[r];
+    const __m256 zr = _mm256_set1_ps(z[r]);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) _mm256_storeu_ps(w + j, _mm256_div_ps(_mm256_loadu_ps(w + j), zr));
+    for (; j < n; ++j) w[j] = w[j] / z[r];
+  }
+}
+
+template <int R>
+MINIGPT_SOFTMAX_AVX2 void backward_avx2(const Rows<R>& rows, int64_t n) {
+  float d[R];
+  dot_rows<R>(rows.g, rows.w, n, d);
+  for (int r = 0; r < R; ++r) {
+    const float *w = rows.w[r], *g = rows.g[r];
+    float* ds = rows.ds[r];
+    const __m256 dr = _mm256_set1_ps(d[r]);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+      const __m256 gap = _mm256_sub_ps(_mm256_loadu_ps(g + j), dr);
+      _mm256_storeu_ps(ds + j, _mm256_mul_ps(_mm256_loadu_ps(w + j), gap));
+    }
+    for (; j < n; ++j) ds[j] = w[j] * (g[j] - d[r]);
+  }
+}
+#endif
+
+// Rows on PyTorch's threads, at least this many entries a task; within a task, four rows at
+// a time. `rows_at(r, rows)` fills row r of a group; `run(group, vector)` computes it.
+constexpr int64_t ROW_WORK = 1 << 15;
+
+template <typename Fill>
+void over_rows(int64_t count, int64_t n, bool backward, Fill&& rows_at) {
+  const auto path = chosen_path();
+  TORCH_CHECK(minigpt::gemm::supported(path), "MINIGPT_GEMM_PATH=",
+              minigpt::gemm::path_name(path), ": this CPU cannot run that path");
+  const bool vector = minigpt::gemm::resolve(path) != minigpt::gemm::Path::portable;
+  auto run = [&](auto& group) {
+#if MINIGPT_GEMM_X86
+    if (vector) {
+      backward ? backward_avx2(group, n) : forward_avx2(group, n);
+      return;
+    }
+#endif
+    backward ? backward_portable(group, n) : forward_portable(group, n);
+  };
+  at::parallel_for(0, count, std::max<int64_t>(4, ROW_WORK / n), [&](int64_t begin, int64_t end) {
+    int64_t r = begin;
+    for (; r + 4 <= end; r += 4) {
+      Rows<4> group{};
+      for (int i = 0; i < 4; ++i) rows_at(r + i, group, i);
+      run(group);
+    }
+    for (; r < end; ++r) {
+      Rows<1> one{};
+      rows_at(r, one, 0);
+      run(one);
+    }
+  });
+}
+
+void check_scores(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() >= 1 &&
+                  t.size(-1) >= 1,
+              "minigpt_products::softmax_over_keys: ", what,
+              " must be a float32 CPU tensor with at least one key, got ", t.scalar_type(),
+              " of shape ", t.sizes());
+}
+
+}  // namespace softmax
+
+// Attention's weights: the softmax of every row of `scores` over its last dimension, the
+// keys where `mask` (boolean, broadcast to the scores' shape) is false masked.
+at::Tensor softmax_over_keys(const at::Tensor& scores, const std::optional<at::Tensor>& mask) {
+  softmax::check_scores(scores, "scores");
+  const auto s = scores.contiguous();
+  auto w = at::empty_like(s, at::MemoryFormat::Contiguous);
+  const int64_t n = s.size(-1), rows = s.numel() / n;
+  const float* ps = s.const_data_ptr<float>();
+  float* pw = w.data_ptr<float>();
+  at::Tensor keep;
+  std::vector<int64_t> sizes, strides;  // the rows' leading dimensions, in the mask
+  if (mask.has_value()) {
+    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->device().is_cpu(),
+                "minigpt_products::softmax_over_keys: the mask must be a boolean CPU tensor, "
+                "got ", mask->scalar_type());
+    keep = mask->expand(s.sizes());  // PyTorch's own error if it does not broadcast
+    sizes = s.sizes().vec(), strides = keep.strides().vec();
+  }
+  const bool* pk = keep.defined() ? keep.const_data_ptr<bool>() : nullptr;
+  const int64_t keep_stride = pk ? strides.back() : 0;
+  softmax::over_rows(rows, n, false, [&](int64_t r, auto& group, int i) {
+    group.s[i] = ps + r * n, group.w[i] = pw + r * n, group.keep_stride = keep_stride;
+    group.keep[i] = nullptr;
+    if (pk != nullptr) {
+      int64_t offset = 0;
+      for (int64_t d = static_cast<int64_t>(sizes.size()) - 2, rest = r; d >= 0; --d) {
+        offset += (rest % sizes[d]) * strides[d];
+        rest /= sizes[d];
+      }
+      group.keep[i] = pk + offset;
+    }
+  });
+  return w;
+}
+
+// The gradient of the scores, from the weights `softmax_over_keys` returned and theirs.
+at::Tensor softmax_over_keys_backward(const at::Tensor& weights, const at::Tensor& grad) {
+  softmax::check_scores(weights, "weights");
+  softmax::check_scores(grad, "their gradient");
+  TORCH_CHECK(weights.sizes() == grad.sizes(), "minigpt_products::softmax_over_keys_backward: "
+              "the weights ", weights.sizes(), " and their gradient ", grad.sizes(),
+              " differ in shape");
+  const auto w = weights.contiguous(), g = grad.contiguous();
+  auto ds = at::empty_like(w, at::MemoryFormat::Contiguous);
+  const int64_t n = w.size(-1), rows = w.numel() / n;
+  const float* pw = w.const_data_ptr<float>();
+  const float* pg = g.const_data_ptr<float>();
+  float* pd = ds.data_ptr<float>();
+  softmax::over_rows(rows, n, true, [&](int64_t r, auto& group, int i) {
+    // the backward only reads the weights (Rows holds them writable, for the forward)
+    group.w[i] = const_cast<float*>(pw + r * n), group.g[i] = pg + r * n;
+    group.ds[i] = pd + r * n;
+  });
+  return ds;
+}
+
 // PyTorch's own CPU product (MKL), past the package's kernels: the control that shows what
 // the package's order saves (tools/same_bits.py: emulated Intel and AMD CPUs part here).
 at::Tensor native_mm(const at::Tensor& a, const at::Tensor& b) {
@@ -431,4 +736,11 @@ TORCH_LIBRARY(minigpt_products, m) {
   m.def("census_open() -> int", census_open);
   m.def("native_mm(Tensor a, Tensor b) -> Tensor", native_mm);
   m.def("census_close(int id) -> str[]", census_close);
+  m.def("softmax_over_keys(Tensor scores, Tensor? mask) -> Tensor");
+  m.def("softmax_over_keys_backward(Tensor weights, Tensor grad) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(minigpt_products, CPU, m) {
+  m.impl("softmax_over_keys", softmax_over_keys);
+  m.impl("softmax_over_keys_backward", softmax_over_keys_backward);
 }

@@ -23,7 +23,9 @@ bfloat16 or float16 product (bf16 autocast) is the float32 product of its operan
 once; a complex one is refused.
 
 PyTorch's fused attention kernel calls MKL without these operators, so on a CPU the package
-computes attention with its own products (`minigpt.attention`).
+computes attention with its own products (`minigpt.attention`), and its softmax with a fused
+kernel of its own (``softmax_over_keys``: one pass a row, summed left to right, its exp the
+same arithmetic on every CPU, with its backward).
 
 `census` records every distinct product a block of code computes (kind, each operand's shape
 and strides, dtype, threads, alpha and beta); `tools/same_bits.py --census` replays a census
@@ -192,7 +194,26 @@ def install(say: Callable[[str], None] = tell) -> None:
             raise RuntimeError(f"minigpt: its matrix products, compiled again into {library}, "
                                f"still will not load: {again}") from None
     torch.ops.minigpt_products.install()
+    _register_softmax()
     _loaded.append(library)
+
+
+def _register_softmax() -> None:
+    """Attention's fused softmax (``products.cpp``): its gradient, and its shape for
+    `torch.compile`'s tracing."""
+    name = "minigpt_products::softmax_over_keys"
+    torch.library.register_fake(name)(lambda scores, mask: torch.empty_like(scores))
+    torch.library.register_fake(f"{name}_backward")(
+        lambda weights, grad: torch.empty_like(weights))
+
+    def keep(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        ctx.save_for_backward(output)
+
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (weights,) = ctx.saved_tensors  # a masked key's weight is 0: so is its gradient
+        return torch.ops.minigpt_products.softmax_over_keys_backward(weights, grad), None
+
+    torch.library.register_autograd(name, backward, setup_context=keep)
 
 
 def chain_order(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
