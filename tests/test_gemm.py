@@ -137,6 +137,12 @@ EXTRA = (
     "float32 1 1 1 nn none 1 1",
     "float32 1 1000 7 tn row 1 1",
     "float32 1000 1 7 nt row 1 1",
+    # thin products (at most THIN_ROWS rows, B transposed: read in place), with the last
+    # columns and p's that an 8 x 8 block leaves
+    "float32 3 13 21 nt row 1 1",
+    "float32 2 9 17 tq full 0.5 2",
+    "float32 4 40 300 pt row 1 1",
+    "float32 1 8 8 nt none 1 1",
     "float32 50 40 300 ss full 1 1",
     "float64 30 20 260 sn row 1 1",
     "float32 37 45 600 nn self 1 1",

@@ -292,7 +292,8 @@ class MultiHeadAttention(nn.Module):
             if grouped:  # key-value head j serves query heads j r .. j r + r - 1
                 r = self.n_heads // self.n_kv_heads
                 k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
-            mask = causal_mask(new, q.device, past=past) if self.causal else None
+            # One new query (a decoded token) may see every key: no mask to make or read.
+            mask = causal_mask(new, q.device, past=past) if self.causal and new > 1 else None
             context, weights = scaled_dot_product_attention(q, k, v, mask, dropout_p)
             return context, weights if need_weights else None
         mask, is_causal = None, self.causal and past == 0

@@ -284,7 +284,13 @@ struct Plan {
   Kernel<T> kernel[17];
   int MR, NR;
   int64_t KC, MC, NC;
+  // A product of at most THIN_ROWS rows against a transposed B (b_row 1: a linear layer's
+  // weight, B = W^T), B read in place (`thin_avx2`), or null: packed like any other.
+  void (*thin)(const Product<T>&) = nullptr;
 };
+
+// The most rows a thin product has: a token decoded alone, or a few side by side.
+constexpr int64_t THIN_ROWS = 4;
 
 // The plan whose kernel[r] is Tiles::kernel<r>() for r = 1 .. MR.
 template <typename T, typename Tiles, int... R>
@@ -428,6 +434,76 @@ __attribute__((target("avx2,fma"))) void kernel_avx2(int64_t kc, const typename 
     for (int v = 0; v < NV; ++v) S::store(c + r * ldc + v * S::W, acc[r][v]);
 }
 
+// ---- Thin products on AVX2 + FMA: R <= THIN_ROWS rows of A against a transposed B. ----
+// Packing B costs as much as a product of one row with it, so a decoded token's products
+// read B in place: column j of B is row j of the weight W, contiguous over p. Eight columns
+// at a time, eight steps of p at a time: the 8 x 8 block of W is turned in registers, so
+// that vector q holds B[p+q, j..j+7], and each row's chains take the steps q = 0..7 in order
+// (lane l is the chain of C[i, j+l], as in a tile). The last p's are gathered one at a time;
+// the last columns (fewer than 8) are chains of scalars (std::fma: one instruction here).
+// Then `finish`'s epilogue: the same bits as the tiles'.
+
+__attribute__((target("avx2,fma"), always_inline)) inline void turn8(__m256* v) {
+  const __m256 t0 = _mm256_unpacklo_ps(v[0], v[1]), t1 = _mm256_unpackhi_ps(v[0], v[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(v[2], v[3]), t3 = _mm256_unpackhi_ps(v[2], v[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(v[4], v[5]), t5 = _mm256_unpackhi_ps(v[4], v[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(v[6], v[7]), t7 = _mm256_unpackhi_ps(v[6], v[7]);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  v[0] = _mm256_permute2f128_ps(u0, u4, 0x20), v[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+  v[1] = _mm256_permute2f128_ps(u1, u5, 0x20), v[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+  v[2] = _mm256_permute2f128_ps(u2, u6, 0x20), v[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+  v[3] = _mm256_permute2f128_ps(u3, u7, 0x20), v[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+template <int R>
+__attribute__((target("avx2,fma"))) void thin_rows_avx2(const Product<float>& pr) {
+  const int64_t N = pr.N, K = pr.K, ldw = pr.b_col;
+  auto a = [&](int r, int64_t p) { return pr.a[r * pr.a_row + p * pr.a_col]; };
+  int64_t j = 0;
+  for (; j + 8 <= N; j += 8) {
+    const float* w = pr.b + j * ldw;
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    int64_t p = 0;
+    for (; p + 8 <= K; p += 8) {
+      __m256 v[8];
+      for (int l = 0; l < 8; ++l) v[l] = _mm256_loadu_ps(w + l * ldw + p);
+      turn8(v);
+      for (int q = 0; q < 8; ++q) {
+        for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(a(r, p + q)), v[q], acc[r]);
+      }
+    }
+    for (; p < K; ++p) {
+      const __m256 v = _mm256_setr_ps(w[p], w[ldw + p], w[2 * ldw + p], w[3 * ldw + p],
+                                      w[4 * ldw + p], w[5 * ldw + p], w[6 * ldw + p],
+                                      w[7 * ldw + p]);
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(a(r, p)), v, acc[r]);
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(pr.c + r * pr.ldc + j, acc[r]);
+  }
+  for (; j < N; ++j) {
+    const float* w = pr.b + j * ldw;
+    for (int r = 0; r < R; ++r) {
+      float acc = 0.0f;
+      for (int64_t p = 0; p < K; ++p) acc = std::fma(a(r, p), w[p], acc);
+      pr.c[r * pr.ldc + j] = acc;
+    }
+  }
+  finish(pr, 0, 0, pr.c, R, N);
+}
+
+inline void thin_avx2(const Product<float>& pr) {
+  switch (pr.M) {
+    case 1: return thin_rows_avx2<1>(pr);
+    case 2: return thin_rows_avx2<2>(pr);
+    case 3: return thin_rows_avx2<3>(pr);
+    default: return thin_rows_avx2<4>(pr);
+  }
+}
+
 // ---- The AVX-512F path: the same tile with vectors of 16 floats (8 doubles). ----
 
 #define MINIGPT_AVX512 __attribute__((target("avx512f"), always_inline)) inline
@@ -555,12 +631,18 @@ struct Avx512Tiles {
 inline Plan<float> plan_float(Path path) {
   switch (path) {
 #if MINIGPT_GEMM_X86
-    case Path::avx2:
-      return make_plan<float, Avx2Tiles<Avx2F, 2>>(std::make_integer_sequence<int, 6>(), 16,
-                                                   256, 144, 4080);
-    case Path::avx512:
-      return make_plan<float, Avx512Tiles<Avx512F, 2>>(std::make_integer_sequence<int, 12>(),
-                                                       32, 384, 240, 3072);
+    case Path::avx2: {
+      auto plan = make_plan<float, Avx2Tiles<Avx2F, 2>>(std::make_integer_sequence<int, 6>(),
+                                                        16, 256, 144, 4080);
+      plan.thin = thin_avx2;
+      return plan;
+    }
+    case Path::avx512: {  // every CPU with AVX-512F has AVX2 and FMA: the same thin kernel
+      auto plan = make_plan<float, Avx512Tiles<Avx512F, 2>>(
+          std::make_integer_sequence<int, 12>(), 32, 384, 240, 3072);
+      plan.thin = thin_avx2;
+      return plan;
+    }
 #endif
     default:
       return make_plan<float, PortableTiles<float>>(std::make_integer_sequence<int, 4>(), 4,
@@ -611,6 +693,10 @@ void run(const Product<T>& pr, const Plan<T>& plan) {
   if (K <= 0) {  // no steps: every chain is +0.0, then the epilogue
     for (int64_t i = 0; i < M; ++i) std::fill(pr.c + i * pr.ldc, pr.c + i * pr.ldc + N, T(0));
     finish(pr, 0, 0, pr.c, M, N);
+    return;
+  }
+  if (plan.thin != nullptr && M <= THIN_ROWS && pr.b_row == 1) {
+    plan.thin(pr);
     return;
   }
   const int MR = plan.MR, NR = plan.NR;
