@@ -383,7 +383,8 @@ digest = hashlib.sha256()
 for length, past, scale in ((1, 0, 1.0), (7, 0, 30.0), (33, 5, 4.0), (64, 0, 90.0)):
     g = torch.Generator().manual_seed(length)
     raw = torch.randn(2, 3, length, past + length, generator=g) * scale
-    raw[0, 0, 0, 0] = -86.99
+    if past:  # query 0 sees keys 0..past: scores on both sides of exp's floor (-87)
+        raw[0, 0, 0, :6] = torch.tensor([0.0, -86.99, -87.01, -60.0, -0.5, -1.0])
     scores = raw.requires_grad_()
     weights = softmax_over_keys(scores, causal_mask(length, past=past))
     weights.backward(torch.randn(weights.shape, generator=g))

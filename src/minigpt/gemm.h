@@ -473,7 +473,9 @@ __attribute__((target("avx2,fma"))) void thin_rows_avx2(const Product<float>& pr
       for (int l = 0; l < 8; ++l) v[l] = _mm256_loadu_ps(w + l * ldw + p);
       turn8(v);
       for (int q = 0; q < 8; ++q) {
-        for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(a(r, p + q)), v[q], acc[r]);
+        for (int r = 0; r < R; ++r) {
+          acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(a(r, p + q)), v[q], acc[r]);
+        }
       }
     }
     for (; p < K; ++p) {

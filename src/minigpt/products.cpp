@@ -456,7 +456,9 @@ struct Rows {
 
 template <int R>
 void forward_portable(const Rows<R>& rows, int64_t n) {
-  for (int r = 0; r < R; ++r) exps_portable(rows.s[r], rows.keep[r], rows.keep_stride, rows.w[r], n);
+  for (int r = 0; r < R; ++r) {
+    exps_portable(rows.s[r], rows.keep[r], rows.keep_stride, rows.w[r], n);
+  }
   float z[R];
   sum_rows<R>(rows.w, n, z);
   for (int r = 0; r < R; ++r) {
