@@ -93,6 +93,18 @@ def empty_cache(gpt: GPT, batch_size: int = 1) -> Tensor:
     return torch.zeros(c.n_layers, 2, batch_size, c.kv_heads, 0, c.d_head)
 
 
+def _softmax_over_keys_onnx(scores: Any, mask: Any = None) -> Any:
+    """ONNX's graph for the package's attention softmax (`minigpt.attention.softmax_over_keys`,
+    an operator of the package's own that the exporter cannot read): a masked key's score set
+    to -inf, then ONNX's Softmax over the keys. The runtime sums in its own order; the
+    playground's check against PyTorch allows for that."""
+    from onnxscript import opset18 as op
+
+    if mask is not None:
+        scores = op.Where(mask, scores, op.CastLike(float("-inf"), scores))
+    return op.Softmax(scores, axis=-1)
+
+
 def export_onnx(gpt: GPT, path: Path, *, example_length: int = 8) -> Path:
     """Write ``gpt`` as an ONNX graph of `WithCache` to ``path``: inputs ``ids`` and ``past``,
     outputs ``logits``, ``attention`` and ``present``, with T dynamic (1 to the context
@@ -131,7 +143,9 @@ def export_onnx(gpt: GPT, path: Path, *, example_length: int = 8) -> Path:
                               input_names=["ids", "past"],
                               output_names=["logits", "attention", "present"],
                               dynamic_shapes={"ids": {1: length}, "past": {4: cached}},
-                              dynamo=True,
+                              dynamo=True, custom_translation_table={
+                                  torch.ops.minigpt_products.softmax_over_keys.default:
+                                  _softmax_over_keys_onnx},
                               external_data=False, verbose=False)
     finally:
         quiet.setLevel(level)
