@@ -101,7 +101,8 @@ def _softmax_over_keys_onnx(scores: Any, mask: Any = None) -> Any:
     from onnxscript import opset18 as op
 
     if mask is not None:
-        scores = op.Where(mask, scores, op.CastLike(float("-inf"), scores))
+        # the exported models are float32, as is value_float's constant
+        scores = op.Where(mask, scores, op.Constant(value_float=float("-inf")))
     return op.Softmax(scores, axis=-1)
 
 
