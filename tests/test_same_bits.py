@@ -6,8 +6,8 @@ natively, as an Intel CPU (Haswell) and as an AMD one (EPYC), one process each, 
 output but MKL's own products must be the same on the three:
 
 - the census (`tests/notebooks/products.json`): every distinct product set-up's models and
-  the chapters compute, as the package's products compute it (`minigpt.products`): each
-  block MKL is handed, and each product the package sums itself;
+  the chapters compute, through the package's kernels (`minigpt.products`), on seeded
+  random operands with the census's strides and every inner term (`tools/same_bits.py`);
 - one optimiser step of each kind of training set-up runs (the book recipe, its draft and
   SFT at their recipes' batches, the modern recipe with Muon, DPO, the rewards chapter's
   supervised, GRPO and rejection-sampling steps, a copier), and, with the cached book

@@ -166,6 +166,8 @@ def reward_runs(model: GPT, chat: Tokenizer, old: list[Task], steps: int) -> dic
 
 #: A call of more rows than this is replayed with fewer (`product_call`).
 FULL_ROWS = 72
+#: A call of more columns than this is replayed with fewer (`product_call`).
+FULL_COLS = 96
 #: A batched call of more matrices than this is replayed with this many.
 FULL_BATCH = 2
 
@@ -177,21 +179,30 @@ def _rows(m: int) -> int:
     return m if m <= FULL_ROWS else 48 + m % 24
 
 
+def _cols(n: int) -> int:
+    """The columns a call of ``n`` columns is replayed with: all of them up to `FULL_COLS`,
+    else 64 plus ``n`` mod 32, so that the last column tile of every path (16 or 32 columns
+    wide, a vector's lanes side by side) is as narrow as the call's, after two whole tiles.
+    Every chain runs over all ``k`` inner terms: the chain is what the proof is about."""
+    return n if n <= FULL_COLS else 64 + n % 32
+
+
 def product_call(entry: list[Any]) -> tuple[Any, ...]:
     """One census entry as the call `replay` makes: the product through the package's
-    kernels, each operand keeping its strides, rows reduced by `_rows` (a row's chains do
-    not depend on the other rows), a batch of matrices to `FULL_BATCH`."""
+    kernels, each operand keeping its strides, rows reduced by `_rows` and columns by `_cols`
+    (an entry's chain depends on neither its neighbours nor where it falls in a tile), a batch
+    of matrices to `FULL_BATCH`."""
     kind, a_shape, a_stride, b_shape, b_stride, _, _, dtype, threads, _, _ = entry
     batch = (min(a_shape[0], FULL_BATCH),) if kind == "bmm" else ()
     m, k, n = a_shape[-2], a_shape[-1], b_shape[-1]
-    return ((*batch, _rows(m), k), tuple(a_stride), (*batch, k, n), tuple(b_stride), dtype,
-            threads)
+    return ((*batch, _rows(m), k), tuple(a_stride), (*batch, k, _cols(n)), tuple(b_stride),
+            dtype, threads)
 
 
 #: Random numbers the replayed operands are cut from (more than the largest operand of the
-#: census holds, 262,080): drawing each operand afresh would make the draws, not the
-#: products, most of an emulated CPU's time.
-POOL = 1 << 19
+#: census holds, 4,062,784: 7,936 inner terms over rows 512 apart): drawing each operand
+#: afresh would make the draws, not the products, most of an emulated CPU's time.
+POOL = 1 << 22
 _pools: dict[torch.dtype, torch.Tensor] = {}
 
 
