@@ -7,6 +7,9 @@ tests/book/test_playground.py.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -161,3 +164,26 @@ def test_the_graph_holds_no_path_of_the_machine_and_is_reproducible(
     assert str(Path(__file__).resolve().parents[1]).encode() not in data
     assert b".py" not in data, "the exporter's stack notes were kept"
     assert export_onnx(model, tmp_path / "again.onnx").read_bytes() == data
+
+
+def test_a_process_with_pytorchs_own_products_exports_too(tmp_path: Path) -> None:
+    # Under MINIGPT_PRODUCTS=native (a reader off Linux x86-64 is so, in kind) the package's
+    # kernels are never loaded and attention's softmax is PyTorch's operations: the export
+    # must not name the fused softmax's op, which that process has not registered.
+    script = (
+        "import sys, torch\n"
+        "from pathlib import Path\n"
+        "from minigpt import GPT, GPTConfig, products\n"
+        "from minigpt.recipes.export import check_onnx, export_onnx\n"
+        "assert products.mode() == 'native', products.mode()\n"
+        "torch.manual_seed(0)\n"
+        "model = GPT(GPTConfig(vocab_size=11, context_length=64, d_model=32, n_heads=4,\n"
+        "                      n_layers=2)).eval()\n"
+        "path = export_onnx(model, Path(sys.argv[1]) / 'model.onnx')\n"
+        "worst = check_onnx(path, model, [[1], list(range(11)) * 5, [3, 4]])\n"
+        "assert worst['logits'] <= 1e-4 and worst['attention'] <= 1e-5, worst\n")
+    env = {**os.environ, "MINIGPT_PRODUCTS": "native", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "model.onnx").stat().st_size > 0

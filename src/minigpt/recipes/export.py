@@ -144,14 +144,21 @@ def export_onnx(gpt: GPT, path: Path, *, example_length: int = 8) -> Path:
                               input_names=["ids", "past"],
                               output_names=["logits", "attention", "present"],
                               dynamic_shapes={"ids": {1: length}, "past": {4: cached}},
-                              dynamo=True, custom_translation_table={
-                                  torch.ops.minigpt_products.softmax_over_keys.default:
-                                  _softmax_over_keys_onnx},
+                              dynamo=True, custom_translation_table=_translations(),
                               external_data=False, verbose=False)
     finally:
         quiet.setLevel(level)
     _strip_metadata(path)
     return path
+
+
+def _translations() -> dict[Any, Any]:
+    """How the exporter writes the package's own ops in ONNX: the fused softmax, where this
+    process has loaded the package's kernels. Under ``MINIGPT_PRODUCTS=native`` (or where
+    they do not apply) the op is never registered, and attention's softmax is PyTorch's
+    operations, which the exporter knows."""
+    fused = getattr(torch.ops.minigpt_products, "softmax_over_keys", None)
+    return {} if fused is None else {fused.default: _softmax_over_keys_onnx}
 
 
 def _strip_metadata(path: Path) -> None:
