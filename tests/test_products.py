@@ -21,11 +21,13 @@ import torch.nn.functional as F
 
 from minigpt import products
 from minigpt.attention import (
+    LayerKVCache,
     MultiHeadAttention,
     causal_mask,
     scaled_dot_product_attention,
     softmax_over_keys,
 )
+from minigpt.nn import RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(
     products.mode() == "native",
@@ -148,6 +150,83 @@ def test_attention_on_a_cpu_takes_the_explicit_path() -> None:
         context, _ = scaled_dot_product_attention(q, k, v, causal_mask(9))
         expected = attention.c_proj(context.transpose(1, 2).flatten(2))
     assert weights is None and torch.equal(y, expected)
+
+
+def _attention_run(attention: MultiHeadAttention, x: torch.Tensor, *, steps: tuple[int, ...],
+                   need_weights: bool) -> list[torch.Tensor]:
+    """Outputs and gradients of ``attention`` over ``x`` (B, T, D) in one step; or its outputs
+    (as generation computes them, without gradients) fed ``steps`` positions at a time through
+    a key-value cache."""
+    x = x.detach().requires_grad_()
+    attention.zero_grad()
+    cache = LayerKVCache(x.shape[1]) if len(steps) > 1 else None
+    outputs, start = [], 0
+    with torch.set_grad_enabled(cache is None):
+        for step in steps:
+            y, weights = attention(x[:, start:start + step], need_weights=need_weights,
+                                   cache=cache)
+            outputs += [y] + ([weights] if need_weights else [])
+            start += step
+    if cache is not None:
+        return outputs
+    loss = sum((o * _random(*o.shape, seed=i)).sum() for i, o in enumerate(outputs))
+    loss.backward()
+    grads = [x.grad] + [p.grad for p in attention.parameters()]
+    return [o.detach() for o in outputs] + [g for g in grads if g is not None]
+
+
+LAYOUTS = [dict(), dict(n_kv_heads=2), dict(qk_norm=True), dict(rope=RotaryEmbedding(32, 8)),
+           dict(n_kv_heads=1, qk_norm=True, norm="layernorm")]
+STEPS = [((9,), False), ((9,), True), ((5, 1, 1, 2), False), ((4, 3, 1, 1), True)]
+
+
+@pytest.mark.parametrize(("layout", "steps", "need_weights"), [
+    *((layout, *steps) for layout in LAYOUTS for steps in STEPS),
+    # full attention (an encoder's) keeps no cache
+    (dict(causal=False), (9,), False), (dict(causal=False), (9,), True)])
+def test_attention_in_one_call_has_the_bits_of_its_calls_one_by_one(
+        layout: dict, steps: tuple[int, ...], need_weights: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # products.attention: the division, the two products and the softmax in one call, forward
+    # and backward (or through a cache, forward), grouped heads, normalised or rotated queries
+    # and keys; against minigpt.attention.scaled_dot_product_attention, one call at a time.
+    torch.manual_seed(0)
+    attention = MultiHeadAttention(32, 4, **layout)
+    x = _random(2, sum(steps), 32, seed=1)
+    calls: list[int] = []
+    one_call = products.attention
+    monkeypatch.setattr(products, "attention", lambda *a: calls.append(1) or one_call(*a))
+    fused = _attention_run(attention, x, steps=steps, need_weights=need_weights)
+    assert len(calls) == len(steps)
+    monkeypatch.setattr(MultiHeadAttention, "_one_call", staticmethod(lambda q: False))
+    alone = _attention_run(attention, x, steps=steps, need_weights=need_weights)
+    assert len(calls) == len(steps)  # not called again
+    assert len(fused) == len(alone) and all(map(torch.equal, fused, alone))
+
+
+def test_attention_in_one_call_refuses_what_it_does_not_compute(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    q, k = _random(2, 3, 4, 8), _random(2, 3, 6, 8)
+    with pytest.raises(RuntimeError, match="with the same leading dimensions"):
+        products.attention(q, k, _random(2, 3, 5, 8), 2, True)
+    with pytest.raises(RuntimeError, match="float32 CPU operands"):
+        products.attention(q.double(), k.double(), k.double(), 2, True)
+    with pytest.raises(RuntimeError, match="4 causal queries after 1 cached positions see 5 "
+                                           "keys, not 6"):
+        products.attention(q, k, k, 1, True)
+    # dropout on the weights (training), autocast (bfloat16 products) and another dtype take
+    # the calls one by one
+    calls: list[int] = []
+    one_call = products.attention
+    monkeypatch.setattr(products, "attention", lambda *a: calls.append(1) or one_call(*a))
+    attention, x = MultiHeadAttention(32, 4, dropout=0.5), _random(2, 5, 32)
+    attention(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        attention.eval()(x)
+    attention.double()(x.double())
+    assert calls == []
+    attention.float()(x)
+    assert calls == [1]
 
 
 def test_a_census_records_each_distinct_product_once() -> None:
@@ -378,6 +457,7 @@ def test_the_fused_softmax_is_the_same_bits_on_any_threads(threads: int) -> None
 
 SOFTMAX_DIGEST = """
 import hashlib, torch
+from minigpt import products
 from minigpt.attention import causal_mask, softmax_over_keys
 digest = hashlib.sha256()
 for length, past, scale in ((1, 0, 1.0), (7, 0, 30.0), (33, 5, 4.0), (64, 0, 90.0)):
@@ -389,19 +469,33 @@ for length, past, scale in ((1, 0, 1.0), (7, 0, 30.0), (33, 5, 4.0), (64, 0, 90.
     weights = softmax_over_keys(scores, causal_mask(length, past=past))
     weights.backward(torch.randn(weights.shape, generator=g))
     digest.update(weights.detach().numpy().tobytes() + scores.grad.numpy().tobytes())
+    # attention in one call: its rows' allowed keys end at every offset of a vector
+    q, k, v = (torch.randn(2, 3, n, 8, generator=g).mul(s).requires_grad_()
+               for n, s in ((length, scale), (past + length, 1.0), (past + length, 1.0)))
+    context, weights = products.attention(q, k, v, past, True)
+    context.backward(torch.randn(context.shape, generator=g))
+    for t in (context, weights, q.grad, k.grad, v.grad):
+        digest.update(t.detach().numpy().tobytes())
 print(digest.hexdigest())
 """
 
 
+def _cpu_has(flag: str) -> bool:
+    with open("/proc/cpuinfo", encoding="utf-8") as info:
+        return any(flag in line.split() for line in info if line.startswith("flags"))
+
+
 def test_the_fused_softmax_is_the_same_bits_on_every_path() -> None:
-    # The AVX2 code and the portable code (what a CPU without AVX2 runs): the same bits.
+    # The AVX-512 code (on a CPU that has it), the AVX2 code and the portable code (what a CPU
+    # without AVX2 runs): the same bits, the softmax alone and attention in one call.
     def digest(path: str) -> str:
         env = {**os.environ, "MINIGPT_GEMM_PATH": path}
         done = subprocess.run([sys.executable, "-c", SOFTMAX_DIGEST], env=env,
                               capture_output=True, text=True, check=True)
         return done.stdout.strip()
 
-    assert digest("portable") == digest("avx2")
+    paths = ["portable", "avx2"] + ["avx512"] * _cpu_has("avx512f")
+    assert len({digest(path) for path in paths}) == 1
 
 
 def test_the_fused_softmax_refuses_what_it_does_not_compute() -> None:

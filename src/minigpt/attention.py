@@ -236,7 +236,10 @@ class MultiHeadAttention(nn.Module):
     ``use_fused`` picks PyTorch's `scaled_dot_product_attention` kernel when
     the weights are not asked for, except on a CPU that runs the package's
     own matrix products (`minigpt.products`: the fused kernel would bypass
-    them); both paths compute the same function.
+    them). There `products.attention` computes the explicit path in one call,
+    with its bits; with dropout on the weights, under autocast or in another
+    dtype the explicit path runs one step at a time. All compute the same
+    function.
 
     With a ``cache`` (a `LayerKVCache` holding P earlier positions) x holds
     only the T new positions: their keys and values are stored (H_kv heads,
@@ -292,6 +295,9 @@ class MultiHeadAttention(nn.Module):
             if grouped:  # key-value head j serves query heads j r .. j r + r - 1
                 r = self.n_heads // self.n_kv_heads
                 k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
+            if dropout_p == 0.0 and self._one_call(q):  # the same bits in one call
+                context, weights = products.attention(q, k, v, past, self.causal)
+                return context, weights if need_weights else None
             # One new query (a decoded token) may see every key: no mask to make or read.
             mask = causal_mask(new, q.device, past=past) if self.causal and new > 1 else None
             context, weights = scaled_dot_product_attention(q, k, v, mask, dropout_p)
@@ -303,6 +309,15 @@ class MultiHeadAttention(nn.Module):
             q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
             enable_gqa=grouped)
         return context, None
+
+    @staticmethod
+    def _one_call(q: Tensor) -> bool:
+        """Whether `products.attention` computes this attention: float32 on a CPU that runs the
+        package's products, outside autocast (whose products round to bfloat16) and outside
+        `torch.export` (whose graph keeps operations ONNX can read)."""
+        return (q.dtype == torch.float32 and products.computes(q)
+                and not torch.is_autocast_enabled(q.device.type)
+                and not torch.compiler.is_exporting())
 
 
 

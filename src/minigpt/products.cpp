@@ -374,8 +374,8 @@ at::Tensor addmm_activation(const at::Tensor& bias, const at::Tensor& a, const a
 // The backward of the row: d = g_0 w_0 + ... + g_{n-1} w_{n-1}, one fused multiply-add chain
 // left to right; then ds_j = w_j (g_j - d). Rows are independent, so threads (which split
 // rows) never change a bit. Vectors hold neighbouring entries only where each entry's
-// arithmetic is its own (the exp, the division, the backward's last line): the AVX2 and
-// the portable code compute the same operations, each rounded once, so the same bits.
+// arithmetic is its own (the exp, the division, the backward's last line): the AVX-512, the
+// AVX2 and the portable code compute the same operations, each rounded once, so the same bits.
 namespace softmax {
 
 // exp(x) for x <= 0: x = n ln 2 + r with |r| <= ln 2 / 2, e^r by a degree-7 polynomial
@@ -443,27 +443,46 @@ inline void exps_portable(const float* s, const bool* keep, int64_t keep_stride,
 }
 
 // R rows of attention: their scores, weights, mask rows (null: none masked; else the row's
-// keys at keep[j * keep_stride]) and, for the backward, the gradients.
+// keys at keep[j * keep_stride]), how many keys each row's mask can allow (`seen`: every key
+// from there on is masked, as a causal row's future is), and, for the backward, the gradients.
 template <int R>
 struct Rows {
   const float* s[R];
   float* w[R];
   const bool* keep[R];
   int64_t keep_stride;
+  int64_t seen[R];
   const float* g[R];
   float* ds[R];
 };
 
+// The forward's last two steps, z and w_j = e_j / z, for rows whose e_j (`exps`, 0 where
+// masked) are written up to `seen` and 0 after it: those zeros add exact zeros to z (so the
+// sum stops at the longest row's `seen`) and stay 0 when divided, unless z is NaN, which
+// makes every weight of its row NaN. `divide(w, zr, count)` divides count weights by z.
+template <int R, typename Divide>
+__attribute__((always_inline)) inline void normalise(const Rows<R>& rows, int64_t n,
+                                                     Divide&& divide) {
+  int64_t longest = 0;
+  for (int r = 0; r < R; ++r) {
+    std::fill(rows.w[r] + rows.seen[r], rows.w[r] + n, 0.0f);
+    longest = std::max(longest, rows.seen[r]);
+  }
+  float z[R];
+  sum_rows<R>(rows.w, longest, z);
+  for (int r = 0; r < R; ++r) {
+    divide(rows.w[r], z[r], std::isnan(z[r]) ? n : rows.seen[r]);
+  }
+}
+
 template <int R>
 void forward_portable(const Rows<R>& rows, int64_t n) {
   for (int r = 0; r < R; ++r) {
-    exps_portable(rows.s[r], rows.keep[r], rows.keep_stride, rows.w[r], n);
+    exps_portable(rows.s[r], rows.keep[r], rows.keep_stride, rows.w[r], rows.seen[r]);
   }
-  float z[R];
-  sum_rows<R>(rows.w, n, z);
-  for (int r = 0; r < R; ++r) {
-    for (int64_t j = 0; j < n; ++j) rows.w[r][j] = rows.w[r][j] / z[r];
-  }
+  normalise<R>(rows, n, [](float* w, float z, int64_t count) {
+    for (int64_t j = 0; j < count; ++j) w[j] = w[j] / z;
+  });
 }
 
 template <int R>
@@ -504,6 +523,12 @@ MINIGPT_SOFTMAX_AVX2 inline __m256 allowed8(const bool* keep) {
 
 // exps_portable's e_j, 8 keys at a time (the mask's keys adjacent, keep_stride 1, or none).
 // The maximum is exact in any order, so it is taken 8 lanes at a time too.
+// All ones in the first `count` (0 to 8) of 8 lanes.
+MINIGPT_SOFTMAX_AVX2 inline __m256i lanes8(int64_t count) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
 MINIGPT_SOFTMAX_AVX2 void exps_avx2(const float* s, const bool* keep, float* w, int64_t n) {
   const __m256 none = _mm256_set1_ps(-INFINITY);
   __m256 most = none;
@@ -526,6 +551,12 @@ MINIGPT_SOFTMAX_AVX2 void exps_avx2(const float* s, const bool* keep, float* w, 
     if (keep != nullptr) e = _mm256_and_ps(e, allowed8(keep + j));
     _mm256_storeu_ps(w + j, e);
   }
+  if (keep == nullptr && j < n) {  // the last keys (fewer than 8) in one more vector's lanes
+    const __m256i tail = lanes8(n - j);
+    const __m256 x = _mm256_sub_ps(_mm256_maskload_ps(s + j, tail), _mm256_set1_ps(m));
+    _mm256_maskstore_ps(w + j, tail, exp_floor8(x));
+    return;
+  }
   for (; j < n; ++j) w[j] = keep == nullptr || keep[j] ? exp_floor(s[j] - m) : 0.0f;
 }
 
@@ -533,20 +564,22 @@ template <int R>
 MINIGPT_SOFTMAX_AVX2 void forward_avx2(const Rows<R>& rows, int64_t n) {
   for (int r = 0; r < R; ++r) {
     if (rows.keep[r] == nullptr || rows.keep_stride == 1) {
-      exps_avx2(rows.s[r], rows.keep[r], rows.w[r], n);
+      exps_avx2(rows.s[r], rows.keep[r], rows.w[r], rows.seen[r]);
     } else {
-      exps_portable(rows.s[r], rows.keep[r], rows.keep_stride, rows.w[r], n);
+      exps_portable(rows.s[r], rows.keep[r], rows.keep_stride, rows.w[r], rows.seen[r]);
     }
   }
-  float z[R];
-  sum_rows<R>(rows.w, n, z);
-  for (int r = 0; r < R; ++r) {
-    float* w = rows.w[r];
-    const __m256 zr = _mm256_set1_ps(z[r]);
+  normalise<R>(rows, n, [](float* w, float z, int64_t count) MINIGPT_SOFTMAX_AVX2 {
+    const __m256 zr = _mm256_set1_ps(z);
     int64_t j = 0;
-    for (; j + 8 <= n; j += 8) _mm256_storeu_ps(w + j, _mm256_div_ps(_mm256_loadu_ps(w + j), zr));
-    for (; j < n; ++j) w[j] = w[j] / z[r];
-  }
+    for (; j + 8 <= count; j += 8) {
+      _mm256_storeu_ps(w + j, _mm256_div_ps(_mm256_loadu_ps(w + j), zr));
+    }
+    if (j < count) {
+      const __m256i tail = lanes8(count - j);
+      _mm256_maskstore_ps(w + j, tail, _mm256_div_ps(_mm256_maskload_ps(w + j, tail), zr));
+    }
+  });
 }
 
 template <int R>
@@ -565,20 +598,125 @@ MINIGPT_SOFTMAX_AVX2 void backward_avx2(const Rows<R>& rows, int64_t n) {
     for (; j < n; ++j) ds[j] = w[j] * (g[j] - d[r]);
   }
 }
+
+// The same, 16 keys at a time, for CPUs with AVX-512: each lane computes exp_floor8's
+// operations on its own key, so the same bits.
+#define MINIGPT_SOFTMAX_AVX512 __attribute__((target("avx512f")))
+
+MINIGPT_SOFTMAX_AVX512 inline __m512 exp_floor16(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Hi), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kP[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP[i]));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r),
+                                 _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  const __m512 e = _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
+  const __mmask16 below = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kFloor), _CMP_LT_OQ);
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~below), e);
+}
+
+// The lanes of the 16 keys from keep[0] that are allowed.
+MINIGPT_SOFTMAX_AVX512 inline __mmask16 allowed16(const bool* keep) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(keep));
+  return _mm512_cmpneq_epi32_mask(_mm512_cvtepu8_epi32(bytes), _mm512_setzero_si512());
+}
+
+MINIGPT_SOFTMAX_AVX512 void exps_avx512(const float* s, const bool* keep, float* w,
+                                        int64_t n) {
+  const __m512 none = _mm512_set1_ps(-INFINITY);
+  __m512 most = none;
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    __m512 x = _mm512_loadu_ps(s + j);
+    if (keep != nullptr) x = _mm512_mask_blend_ps(allowed16(keep + j), none, x);
+    most = _mm512_max_ps(most, x);
+  }
+  // Without a mask, the last keys (fewer than 16) in the lanes of one more vector.
+  const auto tail = static_cast<__mmask16>((1u << (n - j)) - 1u);
+  if (keep == nullptr && j < n) most = _mm512_mask_max_ps(most, tail, most,
+                                                          _mm512_maskz_loadu_ps(tail, s + j));
+  float m = _mm512_reduce_max_ps(most);
+  for (int64_t t = keep == nullptr ? n : j; t < n; ++t) {
+    if (keep[t] && s[t] > m) m = s[t];
+  }
+  const __m512 shift = _mm512_set1_ps(m);
+  j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512 e = exp_floor16(_mm512_sub_ps(_mm512_loadu_ps(s + j), shift));
+    _mm512_storeu_ps(w + j, keep != nullptr ? _mm512_maskz_mov_ps(allowed16(keep + j), e) : e);
+  }
+  if (keep == nullptr && j < n) {
+    const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + j), shift);
+    _mm512_mask_storeu_ps(w + j, tail, exp_floor16(x));
+    return;
+  }
+  for (; j < n; ++j) w[j] = keep == nullptr || keep[j] ? exp_floor(s[j] - m) : 0.0f;
+}
+
+template <int R>
+MINIGPT_SOFTMAX_AVX512 void forward_avx512(const Rows<R>& rows, int64_t n) {
+  for (int r = 0; r < R; ++r) {
+    if (rows.keep[r] == nullptr || rows.keep_stride == 1) {
+      exps_avx512(rows.s[r], rows.keep[r], rows.w[r], rows.seen[r]);
+    } else {
+      exps_portable(rows.s[r], rows.keep[r], rows.keep_stride, rows.w[r], rows.seen[r]);
+    }
+  }
+  normalise<R>(rows, n, [](float* w, float z, int64_t count) MINIGPT_SOFTMAX_AVX512 {
+    const __m512 zr = _mm512_set1_ps(z);
+    int64_t j = 0;
+    for (; j + 16 <= count; j += 16) {
+      _mm512_storeu_ps(w + j, _mm512_div_ps(_mm512_loadu_ps(w + j), zr));
+    }
+    if (j < count) {
+      const auto tail = static_cast<__mmask16>((1u << (count - j)) - 1u);
+      _mm512_mask_storeu_ps(w + j, tail, _mm512_div_ps(_mm512_maskz_loadu_ps(tail, w + j), zr));
+    }
+  });
+}
+
+template <int R>
+MINIGPT_SOFTMAX_AVX512 void backward_avx512(const Rows<R>& rows, int64_t n) {
+  float d[R];
+  dot_rows<R>(rows.g, rows.w, n, d);
+  for (int r = 0; r < R; ++r) {
+    const float *w = rows.w[r], *g = rows.g[r];
+    float* ds = rows.ds[r];
+    const __m512 dr = _mm512_set1_ps(d[r]);
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+      const __m512 gap = _mm512_sub_ps(_mm512_loadu_ps(g + j), dr);
+      _mm512_storeu_ps(ds + j, _mm512_mul_ps(_mm512_loadu_ps(w + j), gap));
+    }
+    for (; j < n; ++j) ds[j] = w[j] * (g[j] - d[r]);
+  }
+}
 #endif
 
-// Rows on PyTorch's threads, at least this many entries a task; within a task, four rows at
-// a time. `rows_at(r, rows)` fills row r of a group; `run(group, vector)` computes it.
+// Rows on PyTorch's threads, at least this many entries a task; within a task, `kGroup` rows
+// at a time (their chains side by side: enough to keep the CPU's adders busy while each chain
+// waits on its previous add). `rows_at(r, rows)` fills row r of a group; `run(group)`
+// computes it.
 constexpr int64_t ROW_WORK = 1 << 15;
+constexpr int kGroup = 8;
 
 template <typename Fill>
 void over_rows(int64_t count, int64_t n, bool backward, Fill&& rows_at) {
   const auto path = chosen_path();
   TORCH_CHECK(minigpt::gemm::supported(path), "MINIGPT_GEMM_PATH=",
               minigpt::gemm::path_name(path), ": this CPU cannot run that path");
-  const bool vector = minigpt::gemm::resolve(path) != minigpt::gemm::Path::portable;
+  const auto resolved = minigpt::gemm::resolve(path);
+  const bool vector = resolved != minigpt::gemm::Path::portable;
   auto run = [&](auto& group) {
 #if MINIGPT_GEMM_X86
+    if (resolved == minigpt::gemm::Path::avx512) {
+      backward ? backward_avx512(group, n) : forward_avx512(group, n);
+      return;
+    }
     if (vector) {
       backward ? backward_avx2(group, n) : forward_avx2(group, n);
       return;
@@ -586,11 +724,12 @@ void over_rows(int64_t count, int64_t n, bool backward, Fill&& rows_at) {
 #endif
     backward ? backward_portable(group, n) : forward_portable(group, n);
   };
-  at::parallel_for(0, count, std::max<int64_t>(4, ROW_WORK / n), [&](int64_t begin, int64_t end) {
+  const int64_t grain = std::max<int64_t>(kGroup, ROW_WORK / n);
+  at::parallel_for(0, count, grain, [&](int64_t begin, int64_t end) {
     int64_t r = begin;
-    for (; r + 4 <= end; r += 4) {
-      Rows<4> group{};
-      for (int i = 0; i < 4; ++i) rows_at(r + i, group, i);
+    for (; r + kGroup <= end; r += kGroup) {
+      Rows<kGroup> group{};
+      for (int i = 0; i < kGroup; ++i) rows_at(r + i, group, i);
       run(group);
     }
     for (; r < end; ++r) {
@@ -633,7 +772,7 @@ at::Tensor softmax_over_keys(const at::Tensor& scores, const std::optional<at::T
   const int64_t keep_stride = pk ? strides.back() : 0;
   softmax::over_rows(rows, n, false, [&](int64_t r, auto& group, int i) {
     group.s[i] = ps + r * n, group.w[i] = pw + r * n, group.keep_stride = keep_stride;
-    group.keep[i] = nullptr;
+    group.keep[i] = nullptr, group.seen[i] = n;
     if (pk != nullptr) {
       int64_t offset = 0;
       for (int64_t d = static_cast<int64_t>(sizes.size()) - 2, rest = r; d >= 0; --d) {
@@ -665,6 +804,55 @@ at::Tensor softmax_over_keys_backward(const at::Tensor& weights, const at::Tenso
     group.ds[i] = pd + r * n;
   });
   return ds;
+}
+
+// Attention over every head at once: weights = the softmax over the keys of (q / sqrt(d_k))
+// k^T, context = weights v, for q (..., T, d_k), k (..., P + T, d_k) and v (..., P + T, d_v),
+// float32, their leading dimensions (batch, heads) equal. With `causal`, query i sits at
+// position P + i and sees keys 0 .. P + i; otherwise it sees every key. The scaling is
+// PyTorch's division by sqrt(d_k), the two products are `bmm`'s and the softmax is
+// `softmax_over_keys`'s, each computing what it computes called alone, so the bits are those
+// of the calls one after another (`minigpt.attention.scaled_dot_product_attention` with its
+// causal mask): one call saves their dispatch, the mask tensor and the reshaping around
+// them.
+std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tensor& k,
+                                             const at::Tensor& v, int64_t past, bool causal) {
+  const int64_t dims = q.dim();
+  TORCH_CHECK(dims >= 3 && k.dim() == dims && v.dim() == dims &&
+                  q.sizes().slice(0, dims - 2) == k.sizes().slice(0, dims - 2) &&
+                  k.sizes().slice(0, dims - 2) == v.sizes().slice(0, dims - 2) &&
+                  q.size(-1) == k.size(-1) && k.size(-2) == v.size(-2),
+              "minigpt_products::attention: q (..., T, d_k), k (..., P + T, d_k) and v (..., "
+              "P + T, d_v) with the same leading dimensions, got ", q.sizes(), ", ", k.sizes(),
+              " and ", v.sizes());
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
+                  v.scalar_type() == at::kFloat && q.device().is_cpu() && k.device().is_cpu() &&
+                  v.device().is_cpu(),
+              "minigpt_products::attention: float32 CPU operands, got ", q.scalar_type(), ", ",
+              k.scalar_type(), " and ", v.scalar_type());
+  const int64_t t = q.size(-2), n = k.size(-2);
+  TORCH_CHECK(!causal || (past >= 0 && past + t == n), "minigpt_products::attention: ", t,
+              " causal queries after ", past, " cached positions see ", past + t, " keys, not ",
+              n);
+  const auto scaled = at::div(q, std::sqrt(static_cast<double>(q.size(-1))));
+  const auto scores = bmm_kernel(scaled.reshape({-1, t, q.size(-1)}),
+                                 k.reshape({-1, n, k.size(-1)}).transpose(1, 2));
+  auto w = at::empty_like(scores, at::MemoryFormat::Contiguous);
+  if (w.numel() > 0) {
+    const float* ps = scores.const_data_ptr<float>();
+    float* pw = w.data_ptr<float>();
+    // Query i's keys are allowed up to P + i, masked after: no mask to read.
+    softmax::over_rows(scores.numel() / n, n, false, [&](int64_t r, auto& group, int i) {
+      group.s[i] = ps + r * n, group.w[i] = pw + r * n, group.keep_stride = 0;
+      group.keep[i] = nullptr, group.seen[i] = causal ? past + r % t + 1 : n;
+    });
+  }
+  auto context = bmm_kernel(w, v.reshape({-1, n, v.size(-1)}));
+  auto lead = q.sizes().slice(0, dims - 2).vec();
+  auto weights_shape = lead, context_shape = lead;
+  weights_shape.insert(weights_shape.end(), {t, n});
+  context_shape.insert(context_shape.end(), {t, v.size(-1)});
+  return {context.view(context_shape), w.view(weights_shape)};
 }
 
 // PyTorch's own CPU product (MKL), past the package's kernels: the control that shows what
@@ -740,9 +928,11 @@ TORCH_LIBRARY(minigpt_products, m) {
   m.def("census_close(int id) -> str[]", census_close);
   m.def("softmax_over_keys(Tensor scores, Tensor? mask) -> Tensor");
   m.def("softmax_over_keys_backward(Tensor weights, Tensor grad) -> Tensor");
+  m.def("attention(Tensor q, Tensor k, Tensor v, int past, bool causal) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(minigpt_products, CPU, m) {
   m.impl("softmax_over_keys", softmax_over_keys);
   m.impl("softmax_over_keys_backward", softmax_over_keys_backward);
+  m.impl("attention", attention);
 }

@@ -25,7 +25,8 @@ once; a complex one is refused.
 PyTorch's fused attention kernel calls MKL without these operators, so on a CPU the package
 computes attention with its own products (`minigpt.attention`), and its softmax with a fused
 kernel of its own (``softmax_over_keys``: one pass a row, summed left to right, its exp the
-same arithmetic on every CPU, with its backward).
+same arithmetic on every CPU, with its backward); `attention` makes the scaling, the two
+products and the softmax one call, with the same bits.
 
 `census` records every distinct product a block of code computes (kind, each operand's shape
 and strides, dtype, threads, alpha and beta); `tools/same_bits.py --census` replays a census
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import subprocess
@@ -214,6 +216,59 @@ def _register_softmax() -> None:
         return torch.ops.minigpt_products.softmax_over_keys_backward(weights, grad), None
 
     torch.library.register_autograd(name, backward, setup_context=keep)
+    _register_attention()
+
+
+def _register_attention() -> None:
+    """Attention's one call (``products.cpp``, `attention`): its shape for `torch.compile`'s
+    tracing, and its gradient: the products and the softmax's backward that the calls one by
+    one would run (each as `bmm`'s and the division's autograd computes it: the same bits)."""
+    name = "minigpt_products::attention"
+
+    def shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, causal: bool
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        return (q.new_empty(*q.shape[:-1], v.shape[-1]),
+                q.new_empty(*q.shape[:-1], k.shape[-2]))
+
+    torch.library.register_fake(name)(shapes)
+
+    def keep(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+        q, k, v = inputs[:3]
+        ctx.save_for_backward(q, k, v, output[1])
+
+    def backward(ctx: Any, grad_context: torch.Tensor | None, grad_weights: torch.Tensor | None
+                 ) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, weights = ctx.saved_tensors
+        need_q, need_k, need_v = ctx.needs_input_grad[:3]
+        grad_q = grad_k = grad_v = None
+        grad = grad_weights
+        if grad_context is not None:
+            if need_v:
+                grad_v = weights.transpose(-2, -1) @ grad_context
+            from_context = grad_context @ v.transpose(-2, -1)
+            grad = from_context if grad is None else from_context + grad
+        if grad is not None and (need_q or need_k):
+            scores = torch.ops.minigpt_products.softmax_over_keys_backward(weights, grad)
+            scale = math.sqrt(q.shape[-1])
+            grad_q = (scores @ k) / scale if need_q else None
+            # as the gradient of k^T, transposed: a reduction after it (a normalised key's
+            # backward) sums in an order that follows the layout
+            grad_k = ((q / scale).transpose(-2, -1) @ scores).transpose(-2, -1) if need_k else None
+        return grad_q, grad_k, grad_v, None, None
+
+    torch.library.register_autograd(name, backward, setup_context=keep)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, causal: bool
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q k^T / sqrt(d_k)) v over every head in one call of the package's kernels, for
+    q (..., T, d_k), k (..., P + T, d_k) and v (..., P + T, d_v), float32 on a CPU that
+    `computes`; with ``causal``, query i (at position P + i, ``past`` P) sees keys 0 .. P + i.
+    Returns the context (..., T, d_v) and the weights (..., T, P + T): the bits of
+    `minigpt.attention.scaled_dot_product_attention` with its causal mask (and no dropout),
+    which computes the same division, products and softmax one call at a time."""
+    context, weights = torch.ops.minigpt_products.attention(q, k, v, past, causal)
+    return context, weights
 
 
 def chain_order(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
