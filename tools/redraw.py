@@ -392,9 +392,9 @@ def write_report(draw: str, text: str, path: Path = REPORT) -> None:
 RUNS = "runs.json"
 #: What a kept chapter's execution does not depend on: files that may change between the
 #: commit it ran at and a run of other chapters (`--only`): the tests and the stored
-#: notebooks, the docs and this report's own writer (a chapter is executed by
-#: tools/execute_chapters.py, which stays in).
-NOT_RUN = ("tests", "docs", "tools/redraw.py")
+#: notebooks, the docs and the README (no chapter reads either) and this report's own
+#: writer (a chapter is executed by tools/execute_chapters.py, which stays in).
+NOT_RUN = ("tests", "docs", "README.md", "tools/redraw.py")
 
 
 def head() -> str:
