@@ -144,7 +144,8 @@ def test_only_what_a_kept_chapter_does_not_run_may_change_after_it_ran(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _git(tmp_path, "init", "-q")
     for name, text in (("book/a.md", "a"), ("book/b.md", "b"), ("src/m.py", "x = 1"),
-                       ("tests/notebooks/a.ipynb", "{}"), ("docs/redraw.md", "")):
+                       ("tests/notebooks/a.ipynb", "{}"), ("docs/redraw.md", ""),
+                       ("README.md", "")):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text, encoding="utf-8")
     _git(tmp_path, "add", ".")
@@ -154,8 +155,9 @@ def test_only_what_a_kept_chapter_does_not_run_may_change_after_it_ran(
     # the report is written by a draw while another draw runs: the commit stays clean
     (tmp_path / "docs/redraw.md").write_text("changed", encoding="utf-8")
     assert tool.head() == sha and tool.commit() == sha[:12]
-    # the chapter run again, its stored notebook and the report: nothing a kept chapter runs
-    for name in ("book/a.md", "tests/notebooks/a.ipynb", "docs/redraw.md"):
+    # the chapter run again, its stored notebook, the report and the README: nothing a kept
+    # chapter runs
+    for name in ("book/a.md", "tests/notebooks/a.ipynb", "docs/redraw.md", "README.md"):
         (tmp_path / name).write_text("changed", encoding="utf-8")
     assert tool.changed_since(sha, ["book/a.md"]) == []
     # another chapter, or the package: the kept chapters' runs no longer describe this commit

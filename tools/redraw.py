@@ -25,10 +25,10 @@ executed chapters are kept in ``_build/redraw/<draw>/<chapter>.ipynb``.
 After a fix to one chapter, ``--only CHAPTER...`` executes only those chapters again (on the
 draw's kept cache) and keeps the others' executed notebooks from the draw's last run. That is
 refused unless nothing a kept chapter runs has changed since the commit it ran at (a file of
-the repository other than the other chapters' pages, the tests, the docs and this tool): the
-report still describes the book of one commit, and says which chapters were run again at
-which commit. ``--report-only`` executes nothing and writes the draw's section again from
-its last run (after a change to this tool), under the same check.
+the repository other than the other chapters' pages, the tests, the docs, the README and
+this tool): the report still describes the book of one commit, and says which chapters were
+run again at which commit. ``--report-only`` executes nothing and writes the draw's section
+again from its last run (after a change to this tool), under the same check.
 
 The report, docs/redraw.md, has a section for each draw (the commit and the date it ran at;
 a new run of a draw replaces that draw's section, the other draw's stays), and in it, per
@@ -332,8 +332,8 @@ def section(draw: str, shift: int, reports: list[ChapterReport], setup_seconds: 
     if again:  # `--only` checked that every kept chapter is as at ``at``
         ran = (f"The book of commit {at}: each chapter ran at a commit where its page and "
                f"everything it runs were as in {at} (they differ only in other chapters' "
-               f"pages, the tests, the docs and this tool). Most ran at {first} "
-               f"({dates.get(first, when)}); "
+               f"pages, the tests, the docs, the README and this tool). Most ran at "
+               f"{first} ({dates.get(first, when)}); "
                + "; ".join(f"run again at {c} ({dates.get(c, when)}): {', '.join(names)}"
                            for c, names in again.items()) + ".")
     else:
@@ -392,9 +392,9 @@ def write_report(draw: str, text: str, path: Path = REPORT) -> None:
 RUNS = "runs.json"
 #: What a kept chapter's execution does not depend on: files that may change between the
 #: commit it ran at and a run of other chapters (`--only`): the tests and the stored
-#: notebooks, the docs and this report's own writer (a chapter is executed by
-#: tools/execute_chapters.py, which stays in).
-NOT_RUN = ("tests", "docs", "tools/redraw.py")
+#: notebooks, the docs and the README (no chapter reads either) and this report's own
+#: writer (a chapter is executed by tools/execute_chapters.py, which stays in).
+NOT_RUN = ("tests", "docs", "README.md", "tools/redraw.py")
 
 
 def head() -> str:
