@@ -235,25 +235,35 @@ def _register_attention() -> None:
     def keep(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
         q, k, v = inputs[:3]
         ctx.save_for_backward(q, k, v, output[1])
+        ctx.set_materialize_grads(False)  # the weights' gradient, if none: None, not zeros
 
     def backward(ctx: Any, grad_context: torch.Tensor | None, grad_weights: torch.Tensor | None
                  ) -> tuple[torch.Tensor | None, ...]:
         q, k, v, weights = ctx.saved_tensors
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
+        *lead, length, keys = weights.shape
+        w = weights.view(-1, length, keys)  # the heads as one batch: bmm, no copies
         grad_q = grad_k = grad_v = None
-        grad = grad_weights
+        grad = None if grad_weights is None else grad_weights.reshape(w.shape)
         if grad_context is not None:
+            grad_context = grad_context.reshape(w.shape[0], length, -1)
             if need_v:
-                grad_v = weights.transpose(-2, -1) @ grad_context
-            from_context = grad_context @ v.transpose(-2, -1)
+                grad_v = torch.bmm(w.transpose(1, 2), grad_context).view(*lead, keys, -1)
+            values = v.reshape(w.shape[0], keys, -1)
+            from_context = torch.bmm(grad_context, values.transpose(1, 2))
             grad = from_context if grad is None else from_context + grad
         if grad is not None and (need_q or need_k):
-            scores = torch.ops.minigpt_products.softmax_over_keys_backward(weights, grad)
+            scores = torch.ops.minigpt_products.softmax_over_keys_backward(w, grad)
             scale = math.sqrt(q.shape[-1])
-            grad_q = (scores @ k) / scale if need_q else None
-            # as the gradient of k^T, transposed: a reduction after it (a normalised key's
-            # backward) sums in an order that follows the layout
-            grad_k = ((q / scale).transpose(-2, -1) @ scores).transpose(-2, -1) if need_k else None
+            if need_q:
+                grad_q = (torch.bmm(scores, k.reshape(w.shape[0], keys, -1)) / scale
+                          ).view(*lead, length, -1)
+            if need_k:
+                # as the gradient of k^T, transposed: a reduction after it (a normalised
+                # key's backward) sums in an order that follows the layout
+                scaled = (q / scale).reshape(w.shape[0], length, -1)
+                grad_k = torch.bmm(scaled.transpose(1, 2), scores).transpose(1, 2).view(
+                    *lead, keys, -1)
         return grad_q, grad_k, grad_v, None, None
 
     torch.library.register_autograd(name, backward, setup_context=keep)
