@@ -198,7 +198,7 @@ def test_attention_in_one_call_has_the_bits_of_its_calls_one_by_one(
     monkeypatch.setattr(products, "attention", lambda *a: calls.append(1) or one_call(*a))
     fused = _attention_run(attention, x, steps=steps, need_weights=need_weights)
     assert len(calls) == len(steps)
-    monkeypatch.setattr(MultiHeadAttention, "_one_call", staticmethod(lambda q: False))
+    monkeypatch.setattr(products, "fuses", lambda tensor: False)
     alone = _attention_run(attention, x, steps=steps, need_weights=need_weights)
     assert len(calls) == len(steps)  # not called again
     assert len(fused) == len(alone) and all(map(torch.equal, fused, alone))
@@ -227,6 +227,54 @@ def test_attention_in_one_call_refuses_what_it_does_not_compute(
     assert calls == []
     attention.float()(x)
     assert calls == [1]
+
+
+def _relu_squared_inputs() -> list[torch.Tensor]:
+    """Random values with every special one among them (signed zeros, infinities, a NaN,
+    subnormals, values whose square overflows or underflows), at the modern recipe's
+    hidden width, contiguous and not."""
+    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-45, -1e-45,
+                            1e-20, 3e19, 2e19, -3e19, 1.0, -1.0])
+    values = _random(6, 64, 512, seed=3) * 3
+    values.view(-1)[:special.numel()] = special
+    return [values, values.transpose(1, 2), values[:, ::2], _random(7, seed=4)]
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_relu_squared_in_one_pass_has_the_bits_of_relu_then_square(index: int) -> None:
+    x = _relu_squared_inputs()[index]
+    grad = _random(*x.shape, seed=5)
+    grad.view(-1)[:3] = torch.tensor([float("inf"), float("nan"), -0.0])
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    fused, alone = products.relu_squared(a), F.relu(b).square()
+    fused.backward(grad)
+    alone.backward(grad)
+    assert torch.equal(fused.isnan(), alone.isnan()) and torch.equal(a.grad.isnan(), b.grad.isnan())
+    assert torch.equal(fused.nan_to_num(), alone.nan_to_num())
+    assert torch.equal(a.grad.nan_to_num(), b.grad.nan_to_num())
+    assert fused.is_contiguous() and fused.shape == x.shape
+
+
+def test_relu2_runs_in_one_pass_where_the_package_fuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    from minigpt.nn import FeedForward, relu2
+
+    calls: list[int] = []
+    one_pass = products.relu_squared
+    monkeypatch.setattr(products, "relu_squared", lambda x: calls.append(1) or one_pass(x))
+    torch.manual_seed(0)
+    ffn, x = FeedForward(32, 128, activation="relu2"), _random(2, 5, 32)
+    fused = ffn(x)
+    assert calls == [1]
+    # autocast (bfloat16 products), another dtype and torch.export take relu, then square
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ffn(x)
+    relu2(x.double())
+    torch.export.export(ffn, (x,))
+    assert calls == [1]
+    monkeypatch.setattr(products, "fuses", lambda tensor: False)
+    assert torch.equal(ffn(x), fused)
+    with pytest.raises(RuntimeError, match="must be a float32 CPU tensor, got Double"):
+        one_pass(x.double())
 
 
 def test_a_census_records_each_distinct_product_once() -> None:

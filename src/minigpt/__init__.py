@@ -69,7 +69,8 @@ def keep_freed_memory() -> bool:
     if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
         return False
     mallopt = ctypes.CDLL(None).mallopt  # glibc's malloc.h: int mallopt(int param, int value)
-    parameter = {"MALLOC_MMAP_THRESHOLD_": -3, "MALLOC_TRIM_THRESHOLD_": -1}  # M_MMAP_..., M_TRIM_...
+    # malloc.h's M_MMAP_THRESHOLD and M_TRIM_THRESHOLD
+    parameter = {"MALLOC_MMAP_THRESHOLD_": -3, "MALLOC_TRIM_THRESHOLD_": -1}
     taken = [name in os.environ or mallopt(parameter[name], value) == 1
              for name, value in MALLOC_SETTINGS.items()]
     return all(taken)

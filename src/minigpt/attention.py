@@ -295,7 +295,7 @@ class MultiHeadAttention(nn.Module):
             if grouped:  # key-value head j serves query heads j r .. j r + r - 1
                 r = self.n_heads // self.n_kv_heads
                 k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
-            if dropout_p == 0.0 and self._one_call(q):  # the same bits in one call
+            if dropout_p == 0.0 and products.fuses(q):  # the same bits in one call
                 context, weights = products.attention(q, k, v, past, self.causal)
                 return context, weights if need_weights else None
             # One new query (a decoded token) may see every key: no mask to make or read.
@@ -309,16 +309,6 @@ class MultiHeadAttention(nn.Module):
             q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
             enable_gqa=grouped)
         return context, None
-
-    @staticmethod
-    def _one_call(q: Tensor) -> bool:
-        """Whether `products.attention` computes this attention: float32 on a CPU that runs the
-        package's products, outside autocast (whose products round to bfloat16) and outside
-        `torch.export` (whose graph keeps operations ONNX can read)."""
-        return (q.dtype == torch.float32 and products.computes(q)
-                and not torch.is_autocast_enabled(q.device.type)
-                and not torch.compiler.is_exporting())
-
 
 
 # ----------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from minigpt import products
 from minigpt.attention import LayerKVCache, MultiHeadAttention
 
 # ----------------------------------------------------------------------------------
@@ -210,6 +211,8 @@ def make_norm(kind: str, d_model: int, *, eps: float = 1e-5, bias: bool = True,
 
 def relu2(x: Tensor) -> Tensor:
     """ReLU squared, max(0, x)^2: zero for x < 0, then a parabola."""
+    if products.fuses(x):  # the same bits in one pass, forward and back
+        return products.relu_squared(x)
     return F.relu(x).square()
 
 

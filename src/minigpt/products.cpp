@@ -878,6 +878,84 @@ std::vector<std::string> census_close(int64_t id) {
 }
 
 
+// ReLU squared, max(0, x)^2, in one pass, and its gradient in one more: the bits of
+// F.relu(x).square() and of the gradient autograd takes through it (r * r with r = max(0, x),
+// a NaN kept; then g * (2 r) where r > 0, else 0), which take two passes forward and four
+// back, each writing a tensor of its own. Elementwise, so any split over threads gives the
+// same bits.
+namespace relu_squared_kernel {
+
+void check(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat,
+              "minigpt_products::relu_squared: ", what, " must be a float32 CPU tensor, got ",
+              t.scalar_type(), " on ", t.device());
+}
+
+// A float's bits and back.
+inline uint32_t bits(float x) { return __builtin_bit_cast(uint32_t, x); }
+inline float from_bits(uint32_t b) { return __builtin_bit_cast(float, b); }
+
+// max(0, x) as F.relu computes it (a NaN stays NaN, -0 becomes +0), on the bits alone: x is
+// kept if it is a NaN or above +0, else it is +0. A float comparison would do, but with
+// IEEE exceptions kept (-fno-fast-math) the compiler then neither vectorises the loops nor
+// avoids a branch on the sign, mispredicted half the time on random values (40 times slower).
+inline float relu(float x) {
+  const uint32_t b = bits(x);
+  const bool keep = (b & 0x7fffffffu) > 0x7f800000u || static_cast<int32_t>(b) > 0;
+  return from_bits(b & (0u - static_cast<uint32_t>(keep)));
+}
+
+// On pointers that do not overlap, so that the compiler vectorises the loops.
+void forward(const float* __restrict x, float* __restrict out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float r = relu(x[i]);
+    out[i] = r * r;
+  }
+}
+
+// g (2 r) where r > 0 (or is a NaN), else +0: r is +0 exactly where it is not.
+void backward(const float* __restrict x, const float* __restrict grad, float* __restrict out,
+              int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float r = relu(x[i]);
+    const uint32_t slope = bits(grad[i] * (2.0f * r));
+    out[i] = from_bits(slope & (0u - static_cast<uint32_t>(bits(r) != 0u)));
+  }
+}
+
+constexpr int64_t kGrain = 1 << 16;  // elements a thread takes at least
+
+}  // namespace relu_squared_kernel
+
+at::Tensor relu_squared(const at::Tensor& x) {
+  relu_squared_kernel::check(x, "its input");
+  const auto in = x.contiguous();
+  auto out = at::empty_like(in, at::MemoryFormat::Contiguous);
+  const float* px = in.const_data_ptr<float>();
+  float* po = out.data_ptr<float>();
+  at::parallel_for(0, in.numel(), relu_squared_kernel::kGrain, [&](int64_t begin, int64_t end) {
+    relu_squared_kernel::forward(px + begin, po + begin, end - begin);
+  });
+  return out;
+}
+
+// The gradient of x from its own gradient `grad` and the input x.
+at::Tensor relu_squared_backward(const at::Tensor& x, const at::Tensor& grad) {
+  relu_squared_kernel::check(x, "its input");
+  relu_squared_kernel::check(grad, "the gradient");
+  TORCH_CHECK(x.sizes() == grad.sizes(), "minigpt_products::relu_squared_backward: the input ",
+              x.sizes(), " and the gradient ", grad.sizes(), " differ in shape");
+  const auto in = x.contiguous(), g = grad.contiguous();
+  auto out = at::empty_like(in, at::MemoryFormat::Contiguous);
+  const float* px = in.const_data_ptr<float>();
+  const float* pg = g.const_data_ptr<float>();
+  float* po = out.data_ptr<float>();
+  at::parallel_for(0, in.numel(), relu_squared_kernel::kGrain, [&](int64_t begin, int64_t end) {
+    relu_squared_kernel::backward(px + begin, pg + begin, po + begin, end - begin);
+  });
+  return out;
+}
+
 // Registers the kernels above as PyTorch's CPU kernels of the matrix-product operators (each
 // overload: plain, out=, in place, .dtype), once: called
 // by minigpt.products.install, without PyTorch's warning that a kernel is replaced (meant).
@@ -929,10 +1007,14 @@ TORCH_LIBRARY(minigpt_products, m) {
   m.def("softmax_over_keys(Tensor scores, Tensor? mask) -> Tensor");
   m.def("softmax_over_keys_backward(Tensor weights, Tensor grad) -> Tensor");
   m.def("attention(Tensor q, Tensor k, Tensor v, int past, bool causal) -> (Tensor, Tensor)");
+  m.def("relu_squared(Tensor x) -> Tensor");
+  m.def("relu_squared_backward(Tensor x, Tensor grad) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(minigpt_products, CPU, m) {
   m.impl("softmax_over_keys", softmax_over_keys);
   m.impl("softmax_over_keys_backward", softmax_over_keys_backward);
   m.impl("attention", attention);
+  m.impl("relu_squared", relu_squared);
+  m.impl("relu_squared_backward", relu_squared_backward);
 }

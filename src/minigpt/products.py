@@ -217,6 +217,7 @@ def _register_softmax() -> None:
 
     torch.library.register_autograd(name, backward, setup_context=keep)
     _register_attention()
+    _register_relu_squared()
 
 
 def _register_attention() -> None:
@@ -267,6 +268,41 @@ def _register_attention() -> None:
         return grad_q, grad_k, grad_v, None, None
 
     torch.library.register_autograd(name, backward, setup_context=keep)
+
+
+def _register_relu_squared() -> None:
+    """ReLU squared in one pass (``products.cpp``, `relu_squared`): its shape for
+    `torch.compile`'s tracing, and its gradient (the kernel's backward, from the input)."""
+    name = "minigpt_products::relu_squared"
+    torch.library.register_fake(name)(lambda x: torch.empty_like(x))
+    torch.library.register_fake(f"{name}_backward")(lambda x, grad: torch.empty_like(x))
+
+    def keep(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        ctx.save_for_backward(inputs[0])
+
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        grad_x: torch.Tensor = torch.ops.minigpt_products.relu_squared_backward(x, grad)
+        return grad_x
+
+    torch.library.register_autograd(name, backward, setup_context=keep)
+
+
+def fuses(tensor: torch.Tensor) -> bool:
+    """Whether the package's fused kernels (`attention`, `relu_squared`) compute on
+    ``tensor``: float32 on a CPU that runs the package's products, outside autocast (whose
+    products round to bfloat16) and outside `torch.export` (whose graph keeps operations ONNX
+    can read)."""
+    return (tensor.dtype == torch.float32 and computes(tensor)
+            and not torch.is_autocast_enabled(tensor.device.type)
+            and not torch.compiler.is_exporting())
+
+
+def relu_squared(x: torch.Tensor) -> torch.Tensor:
+    """max(0, x)^2 in one pass of the package's kernel, for x float32 on a CPU that `fuses`:
+    the bits of ``F.relu(x).square()``, and of its gradient (`minigpt.nn.relu2`)."""
+    out: torch.Tensor = torch.ops.minigpt_products.relu_squared(x)
+    return out
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, causal: bool
