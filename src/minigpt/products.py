@@ -26,7 +26,10 @@ PyTorch's fused attention kernel calls MKL without these operators, so on a CPU 
 computes attention with its own products (`minigpt.attention`), and its softmax with a fused
 kernel of its own (``softmax_over_keys``: one pass a row, summed left to right, its exp the
 same arithmetic on every CPU, with its backward); `attention` makes the scaling, the two
-products and the softmax one call, with the same bits.
+products and the softmax one call, with the same bits. `relu_squared` is the modern
+recipe's activation, max(0, x)^2, in one pass forward and one back, with the bits of
+``F.relu(x).square()`` (which takes two passes, and four back); `fuses` says where these
+fused kernels compute.
 
 `census` records every distinct product a block of code computes (kind, each operand's shape
 and strides, dtype, threads, alpha and beta); `tools/same_bits.py --census` replays a census
