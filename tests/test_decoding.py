@@ -275,6 +275,53 @@ def test_bad_max_new_tokens(model: GPT) -> None:
         generate(model, [1], -1)
 
 
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"repeats": 0}, "repeats must be an int >= 1, got 0"),
+    ({"repeats": 2.0}, "repeats must be an int >= 1, got 2.0"),
+    ({"stop_id": V}, rf"stop_id must be an int from 0 to {V - 1}, got {V}"),
+    ({"stop_id": -1}, rf"stop_id must be an int from 0 to {V - 1}, got -1"),
+])
+def test_bad_repeats_and_stop(model: GPT, kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        generate(model, [1, 2], 3, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+@pytest.mark.parametrize("greedy", [True, False])
+def test_a_prompt_read_once_for_its_rows_gives_the_bits_of_reading_it_for_each(
+        model: GPT, use_cache: bool, greedy: bool) -> None:
+    """The package's products compute a row whatever the other rows, so reading each
+    prompt once and copying its logits, keys and values to its r rows is exact."""
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]
+    once, each = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    got = generate(model, prompts, 6, repeats=3, generator=once, greedy=greedy,
+                   use_cache=use_cache)
+    want = generate(model, [p for p in prompts for _ in range(3)], 6, generator=each,
+                    greedy=greedy, use_cache=use_cache)
+    assert got.shape == (6, 11) and torch.equal(got, want)
+    assert torch.equal(once.get_state(), each.get_state())
+    assert generate(model, [1, 2], 2, repeats=2).shape == (2, 4)  # a 1-D prompt, r rows
+
+
+def test_stopping_once_every_row_has_ended_draws_what_the_full_run_draws() -> None:
+    """Row b's tokens up to its first stop token are those of the run that does not stop,
+    the rest is the stop token, and the generator ends where that run's ends."""
+    torch.manual_seed(0)
+    small = GPT(GPTConfig.debug(vocab_size=4)).eval()  # a stop token comes soon
+    stop, n = 3, 2
+    for seed in range(20):
+        short, full = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+        got = generate(small, [[0, 1], [1, 2]], 12, repeats=4, stop_id=stop, generator=short)
+        want = generate(small, [[0, 1], [1, 2]], 12, repeats=4, generator=full)
+        assert torch.equal(short.get_state(), full.get_state())
+        for row, whole in zip(got.tolist(), want.tolist(), strict=True):
+            cut = whole.index(stop, n) + 1 if stop in whole[n:] else len(whole)
+            assert row[:cut] == whole[:cut] and set(row[cut:]) <= {stop}
+    ended = generate(small, [[0, 1]], 30, repeats=8, stop_id=stop,
+                     generator=torch.Generator().manual_seed(0))
+    assert ended.shape == (8, 32) and ended[:, -1].eq(stop).all()
+
+
 
 # ----- the key-value cache -------------------------------------------------------------
 

@@ -132,8 +132,9 @@ class LayerKVCache:
         end = self.length + k.shape[2]
         if self.keys is None or self.values is None:
             shape = (k.shape[0], k.shape[1], self.max_length, k.shape[3])
-            self.keys = k.new_zeros(shape)
-            self.values = v.new_zeros(shape)
+            # Unwritten: a slot is read only once a token has been stored in it.
+            self.keys = k.new_empty(shape)
+            self.values = v.new_empty(shape)
         assert k.shape[0] == self.keys.shape[0], "the cache holds another batch: reset() it"
         self.keys[:, :, self.length:end] = k
         self.values[:, :, self.length:end] = v
@@ -198,7 +199,7 @@ class KVCache:
             stored = layer.length
             for name in ("keys", "values"):
                 old: Tensor = getattr(layer, name)
-                new = old.new_zeros((index.shape[0], *old.shape[1:]))
+                new = old.new_empty((index.shape[0], *old.shape[1:]))
                 new[:, :, :stored] = old[:, :, :stored].index_select(0, index)  # only what is used
                 setattr(layer, name, new)
 

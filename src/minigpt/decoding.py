@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from minigpt.attention import KVCache
+from minigpt.config import check_int
 from minigpt.model import GPT, eval_mode
 
 _INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
@@ -190,6 +191,8 @@ def generate(
     greedy: bool = False,
     generator: torch.Generator | None = None,
     use_cache: bool = True,
+    repeats: int = 1,
+    stop_id: int | None = None,
 ) -> Tensor:
     """Extend each prompt by ``max_new_tokens`` tokens drawn from the model.
 
@@ -208,32 +211,61 @@ def generate(
             for reproducible samples.
         use_cache: keep a key-value cache (``model.new_cache()``), so that
             each step reads one new token instead of the whole context.
+        repeats: r >= 1 rows continue each prompt, prompt b in rows b r to
+            b r + r - 1. Each prompt is read once and its logits (and stored
+            keys and values) copied to its rows: with the package's products,
+            whose rows do not depend on each other, the bits of reading it r
+            times, in a fraction of the time.
+        stop_id: a token (0 <= id < V) that ends a row: after it, the row
+            holds ``stop_id`` alone, and once every row has ended the model is
+            not run again. The draws the remaining steps would have taken are
+            taken all the same, so ``generator`` ends where it would have.
 
     Returns:
-        A new tensor of the prompt's rank, (T + N,) or (B, T + N), on the
-        model's device. The prompt is not modified; the model is put in eval
-        mode for the call and given back in the mode it was in.
+        A new tensor, (T + N,) for a prompt of shape (T,) with r = 1, else
+        (B r, T + N), on the model's device. The prompt is not modified; the
+        model is put in eval mode for the call and given back in the mode it
+        was in.
     """
     config: Any = model.config
     ids = _prompt_tensor(prompt_ids, config.vocab_size)
     _check_sampling(config.vocab_size, max_new_tokens, temperature, top_k, top_p)
-    squeeze = ids.dim() == 1
+    check_int("repeats", repeats, 1)
+    if stop_id is not None:
+        check_int("stop_id", stop_id, 0, config.vocab_size - 1)
+    squeeze = ids.dim() == 1 and repeats == 1
     device = next(model.parameters()).device
     # A copy (copy=True) on the model's device: the caller's tensor is never written to.
-    seq = ids.to(device=device, dtype=torch.long, copy=True)  # (B, T)
-    if squeeze:
-        seq = seq.unsqueeze(0)
+    prompts = ids.to(device=device, dtype=torch.long, copy=True).view(-1, ids.shape[-1])
+    seq = prompts.repeat_interleave(repeats, dim=0)  # (B r, T)
+    draw = not (greedy or temperature == 0.0)
+    ended = torch.zeros(len(seq), dtype=torch.bool, device=device)
     cache: KVCache | None = model.new_cache() if use_cache else None  # type: ignore[operator]
     with eval_mode(model):
-        for _ in range(max_new_tokens):
-            logits = _next_logits(model, seq, config.context_length, cache)  # (B, V)
+        for step in range(max_new_tokens):
+            if step == 0 and repeats > 1:  # each prompt read once, for all of its rows
+                logits = _next_logits(model, prompts, config.context_length, cache)
+                logits = logits.repeat_interleave(repeats, dim=0)
+                if cache is not None:
+                    cache.reorder(torch.arange(len(seq), device=device) // repeats)
+            else:
+                logits = _next_logits(model, seq, config.context_length, cache)  # (B, V)
             probs = next_token_distribution(logits, temperature=temperature, top_k=top_k,
                                             top_p=top_p, greedy=greedy)
-            if greedy or temperature == 0.0:  # one-hot: no need to draw
-                next_id = probs.argmax(dim=-1, keepdim=True)  # (B, 1)
-            else:
+            if draw:
                 next_id = torch.multinomial(probs, num_samples=1, generator=generator)
+            else:  # one-hot: no need to draw
+                next_id = probs.argmax(dim=-1, keepdim=True)  # (B, 1)
+            if stop_id is not None:  # a row that has ended stays ended
+                next_id = next_id.masked_fill(ended.unsqueeze(1), stop_id)
+                ended |= next_id[:, 0] == stop_id
             seq = torch.cat([seq, next_id], dim=1)
+            if stop_id is not None and bool(ended.all()):
+                break
+        left = ids.shape[-1] + max_new_tokens - seq.shape[1]
+        for _ in range(left if draw else 0):  # the draws the skipped steps would have taken
+            torch.multinomial(probs, num_samples=1, generator=generator)
+        seq = torch.cat([seq, seq.new_full((len(seq), left), stop_id or 0)], dim=1)
     return seq[0] if squeeze else seq
 
 
@@ -241,9 +273,9 @@ def generate_by_length(model: GPT, prompts: Sequence[Sequence[int]], max_new_tok
                        repeats: int = 1, **sampling: Any) -> list[tuple[list[int], Tensor]]:
     """Continue prompts of several lengths, those of one length together in one batch.
 
-    Each prompt is read ``repeats`` times and extended by `generate` (``sampling`` goes to
-    it) with ``max_new_tokens`` tokens, or as many as the context leaves: min(N, T - n) for
-    a prompt of n tokens. Returns one pair a length, in the order the lengths first appear
+    Each prompt is extended ``repeats`` times by `generate` (``sampling`` goes to it, and
+    the prompt is read once for all its rows) with ``max_new_tokens`` tokens, or as many as
+    the context leaves: min(N, T - n) for a prompt of n tokens. Returns one pair a length, in the order the lengths first appear
     (so a seeded generator draws the same tokens on every call): the indices of the prompts
     of that length, in order, and their rows (repeats k, n + new) on the model's device,
     row i continuing prompt indices[i // repeats].
@@ -259,8 +291,8 @@ def generate_by_length(model: GPT, prompts: Sequence[Sequence[int]], max_new_tok
             raise ValueError(f"prompt {k} has {len(p)} tokens; a prompt needs 1 to {T - 1}, "
                              f"leaving room for an answer in the context of {T}")
         by_length.setdefault(len(p), []).append(k)
-    return [(ks, generate(model, [list(prompts[k]) for k in ks for _ in range(repeats)],
-                          min(max_new_tokens, T - n), **sampling))
+    return [(ks, generate(model, [list(prompts[k]) for k in ks], min(max_new_tokens, T - n),
+                          repeats=repeats, **sampling))
             for n, ks in by_length.items()]
 
 

@@ -264,7 +264,8 @@ def greedy_replies(model: GPT, tokenizer: Tokenizer, prompts: Sequence[Sequence[
     the context is full."""
     stop = _chat_ids(tokenizer)[END_OF_TURN] if stop is None else stop
     out: list[str] = [""] * len(prompts)
-    for rows, seqs in generate_by_length(model, prompts, max_new_tokens, greedy=True):
+    for rows, seqs in generate_by_length(model, prompts, max_new_tokens, greedy=True,
+                                         stop_id=stop):
         for k, seq in zip(rows, seqs[:, len(prompts[rows[0]]):].tolist(), strict=True):
             cut = seq.index(stop) if stop in seq else len(seq)
             out[k] = tokenizer.decode(seq[:cut])

@@ -239,7 +239,7 @@ def rollouts(model: GPT, tokenizer: Tokenizer, prompts: Sequence[Sequence[int]],
     assert prompts and group_size >= 1 and 0 <= end < model.config.vocab_size
     G = group_size
     seqs: list[list[int]] = [[] for _ in range(len(prompts) * G)]
-    for ks, new in generate_by_length(model, prompts, max_new_tokens, repeats=G,
+    for ks, new in generate_by_length(model, prompts, max_new_tokens, repeats=G, stop_id=end,
                                       temperature=temperature, generator=generator):
         for i, seq in enumerate(new.tolist()):  # row i is answer i % G to prompt ks[i // G]
             seqs[ks[i // G] * G + i % G] = seq
