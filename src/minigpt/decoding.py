@@ -275,10 +275,10 @@ def generate_by_length(model: GPT, prompts: Sequence[Sequence[int]], max_new_tok
 
     Each prompt is extended ``repeats`` times by `generate` (``sampling`` goes to it, and
     the prompt is read once for all its rows) with ``max_new_tokens`` tokens, or as many as
-    the context leaves: min(N, T - n) for a prompt of n tokens. Returns one pair a length, in the order the lengths first appear
-    (so a seeded generator draws the same tokens on every call): the indices of the prompts
-    of that length, in order, and their rows (repeats k, n + new) on the model's device,
-    row i continuing prompt indices[i // repeats].
+    the context leaves: min(N, T - n) for a prompt of n tokens. Returns one pair a length,
+    in the order the lengths first appear (so a seeded generator draws the same tokens on
+    every call): the indices of the prompts of that length, in order, and their rows
+    (repeats k, n + new) on the model's device, row i continuing prompt indices[i // repeats].
 
     Args:
         prompts: lists of ids, each of 1 to T - 1 tokens (T the model's context).
