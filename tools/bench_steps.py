@@ -6,7 +6,9 @@
 ``book`` and ``modern`` take their recipes' steps (model, batch, optimiser) on the corpus;
 ``sft`` takes the modern recipe's steps at the assistants' context and batch (256 tokens, 8
 conversations: the shapes of a fine-tuning step); ``sample`` samples 200 tokens from the
-cached book model, one sequence, with its key-value cache, ``--steps`` times. Prints the
+cached book model, one sequence, with its key-value cache, ``--steps`` times; ``grpo`` takes
+GRPO steps of the rewards chapter's runs from their cold start (the cached ``rl-cold``: 16
+questions a step, 8 answers sampled to each, then one optimiser step on them). Prints the
 products' mode and the median milliseconds of a step or of a sampled token (the first, which
 warms up, not counted). Pair the two modes with a benchmark runner that interleaves them
 (docs/reproducibility.md).
@@ -15,6 +17,7 @@ warms up, not counted). Pair the two modes with a benchmark runner that interlea
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import sys
 import time
@@ -25,7 +28,7 @@ import torch
 from minigpt import products
 from minigpt.data import shakespeare_text
 from minigpt.decoding import generate
-from minigpt.recipes import pretrained
+from minigpt.recipes import pretrained, rewards
 from minigpt.recipes.assistant import ASSISTANT_RECIPE
 from minigpt.tokenizer import CharTokenizer
 from minigpt.train import train
@@ -33,7 +36,7 @@ from minigpt.train import train
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("recipe", choices=("book", "modern", "sft", "sample"))
+    parser.add_argument("recipe", choices=("book", "modern", "sft", "sample", "grpo"))
     parser.add_argument("--steps", type=int, default=40, help="timed steps (default 40)")
     args = parser.parse_args(argv)
     if args.steps < 1:
@@ -50,6 +53,18 @@ def main(argv: list[str] | None = None) -> int:
             per_token.append((time.perf_counter() - start) / 200 * 1000)
         print(f"sample, products {products.mode()}: median {statistics.median(per_token[1:]):.2f} "
               f"ms a token over {args.steps} runs of 200 tokens")
+        return 0
+    if args.recipe == "grpo":
+        start, chat, _ = rewards.cold_model()
+        data = rewards.rewards_data()
+        step_ms = []
+        for run in range(args.steps + 1):  # one step a run: its own tasks and draws
+            begin = time.perf_counter()
+            rewards.continue_training(copy.deepcopy(start), chat, "grpo", data, seed=run,
+                                      steps=1)
+            step_ms.append((time.perf_counter() - begin) * 1000)
+        print(f"grpo, products {products.mode()}: median {statistics.median(step_ms[1:]):.1f} "
+              f"ms a step over {args.steps} steps")
         return 0
     recipe = pretrained.BOOK_RECIPE if args.recipe == "book" else pretrained.MODERN_RECIPE
     text = shakespeare_text()[:500_000]
