@@ -183,7 +183,9 @@ STEPS = [((9,), False), ((9,), True), ((5, 1, 1, 2), False), ((4, 3, 1, 1), True
 @pytest.mark.parametrize(("layout", "steps", "need_weights"), [
     *((layout, *steps) for layout in LAYOUTS for steps in STEPS),
     # full attention (an encoder's) keeps no cache
-    (dict(causal=False), (9,), False), (dict(causal=False), (9,), True)])
+    (dict(causal=False), (9,), False), (dict(causal=False), (9,), True),
+    # longer than a tile is wide (AVX-512: 32 columns, AVX2: 16): causal scores in bands
+    (dict(), (70,), True), (dict(n_kv_heads=2), (70,), False), (dict(), (40, 30), True)])
 def test_attention_in_one_call_has_the_bits_of_its_calls_one_by_one(
         layout: dict, steps: tuple[int, ...], need_weights: bool,
         monkeypatch: pytest.MonkeyPatch) -> None:

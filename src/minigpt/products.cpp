@@ -52,9 +52,8 @@ std::string json_list(at::IntArrayRef values) {
   return out.str();
 }
 
-void record(bool batched, const at::Tensor& a, const at::Tensor& b,
-            const std::optional<at::Tensor>& bias, const at::Scalar& beta,
-            const at::Scalar& alpha) {
+// Whether products are being recorded: a census is open, or MINIGPT_CENSUS journals them.
+bool recording() {
   std::lock_guard<std::mutex> guard(census_lock);
   if (!journal_checked) {
     journal_checked = true;
@@ -62,24 +61,40 @@ void record(bool batched, const at::Tensor& a, const at::Tensor& b,
       journal_path = std::string(folder) + "/" + std::to_string(getpid()) + ".jsonl";
     }
   }
-  if (open_censuses.empty() && journal_path.empty()) return;
+  return !open_censuses.empty() || !journal_path.empty();
+}
+
+// One product's census line, from its operands' shapes and strides.
+void record_shapes(bool batched, at::IntArrayRef a_sizes, at::IntArrayRef a_strides,
+                   at::IntArrayRef b_sizes, at::IntArrayRef b_strides,
+                   const std::optional<at::Tensor>& bias, bool float64, const at::Scalar& beta,
+                   const at::Scalar& alpha) {
+  if (!recording()) return;
   std::ostringstream line;
   line.precision(17);
-  line << "[\"" << (batched ? "bmm" : "mm") << "\"," << json_list(a.sizes()) << ","
-       << json_list(a.strides()) << "," << json_list(b.sizes()) << "," << json_list(b.strides())
+  line << "[\"" << (batched ? "bmm" : "mm") << "\"," << json_list(a_sizes) << ","
+       << json_list(a_strides) << "," << json_list(b_sizes) << "," << json_list(b_strides)
        << ",";
   if (bias.has_value()) {
     line << json_list(bias->sizes()) << "," << json_list(bias->strides());
   } else {
     line << "null,null";
   }
-  line << ",\"" << (a.scalar_type() == at::kDouble ? "float64" : "float32") << "\","
-       << at::get_num_threads() << "," << alpha.toDouble() << "," << beta.toDouble() << "]";
+  line << ",\"" << (float64 ? "float64" : "float32") << "\"," << at::get_num_threads() << ","
+       << alpha.toDouble() << "," << beta.toDouble() << "]";
   const std::string entry = line.str();
+  std::lock_guard<std::mutex> guard(census_lock);
   for (auto& census : open_censuses) census.second.insert(entry);
   if (!journal_path.empty() && journaled.insert(entry).second) {
     std::ofstream(journal_path, std::ios::app) << entry << "\n";
   }
+}
+
+void record(bool batched, const at::Tensor& a, const at::Tensor& b,
+            const std::optional<at::Tensor>& bias, const at::Scalar& beta,
+            const at::Scalar& alpha) {
+  record_shapes(batched, a.sizes(), a.strides(), b.sizes(), b.strides(), bias,
+                a.scalar_type() == at::kDouble, beta, alpha);
 }
 
 // The path the kernels run (MINIGPT_GEMM_PATH forces one, for the tests), read once; a path
@@ -809,12 +824,35 @@ at::Tensor softmax_over_keys_backward(const at::Tensor& weights, const at::Tenso
 // Attention over every head at once: weights = the softmax over the keys of (q / sqrt(d_k))
 // k^T, context = weights v, for q (..., T, d_k), k (..., P + T, d_k) and v (..., P + T, d_v),
 // float32, their leading dimensions (batch, heads) equal. With `causal`, query i sits at
-// position P + i and sees keys 0 .. P + i; otherwise it sees every key. The scaling is
-// PyTorch's division by sqrt(d_k), the two products are `bmm`'s and the softmax is
-// `softmax_over_keys`'s, each computing what it computes called alone, so the bits are those
-// of the calls one after another (`minigpt.attention.scaled_dot_product_attention` with its
-// causal mask): one call saves their dispatch, the mask tensor and the reshaping around
-// them.
+// position P + i and sees keys 0 .. P + i; otherwise it sees every key. The bits are those of
+// the calls one after another (`minigpt.attention.scaled_dot_product_attention` with its
+// causal mask): PyTorch's division by sqrt(d_k), `bmm`'s two products and
+// `softmax_over_keys`. One call saves their dispatch, the mask, the copies of q, k and v
+// (each head's matrices are read where they lie) and the scores the mask throws away: each
+// score is one chain, the same bits computed alone, and a masked one is never read. (The
+// context's product still takes every key: a masked key's weight is +0, and fma(+0, v_j, acc)
+// is acc except where acc is a signed zero or v_j is not finite, so its terms can be skipped
+// only with checks that cost more, at the book's lengths, than the terms.)
+namespace attention_kernel {
+
+// The offset of each of the `count` matrices of `t` (its leading dimensions flattened in
+// order), in elements.
+std::vector<int64_t> offsets(const at::Tensor& t, int64_t count) {
+  std::vector<int64_t> out(count, 0);
+  const int64_t lead = t.dim() - 2;
+  for (int64_t s = 0; s < count; ++s) {
+    int64_t rest = s, offset = 0;
+    for (int64_t d = lead - 1; d >= 0; --d) {
+      offset += rest % t.size(d) * t.stride(d);
+      rest /= t.size(d);
+    }
+    out[s] = offset;
+  }
+  return out;
+}
+
+}  // namespace attention_kernel
+
 std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tensor& k,
                                              const at::Tensor& v, int64_t past, bool causal) {
   const int64_t dims = q.dim();
@@ -830,29 +868,88 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tens
                   v.device().is_cpu(),
               "minigpt_products::attention: float32 CPU operands, got ", q.scalar_type(), ", ",
               k.scalar_type(), " and ", v.scalar_type());
-  const int64_t t = q.size(-2), n = k.size(-2);
+  const int64_t t = q.size(-2), n = k.size(-2), dk = q.size(-1), dv = v.size(-1);
   TORCH_CHECK(!causal || (past >= 0 && past + t == n), "minigpt_products::attention: ", t,
               " causal queries after ", past, " cached positions see ", past + t, " keys, not ",
               n);
-  const auto scaled = at::div(q, std::sqrt(static_cast<double>(q.size(-1))));
-  const auto scores = bmm_kernel(scaled.reshape({-1, t, q.size(-1)}),
-                                 k.reshape({-1, n, k.size(-1)}).transpose(1, 2));
-  auto w = at::empty_like(scores, at::MemoryFormat::Contiguous);
-  if (w.numel() > 0) {
-    const float* ps = scores.const_data_ptr<float>();
-    float* pw = w.data_ptr<float>();
-    // Query i's keys are allowed up to P + i, masked after: no mask to read.
-    softmax::over_rows(scores.numel() / n, n, false, [&](int64_t r, auto& group, int i) {
-      group.s[i] = ps + r * n, group.w[i] = pw + r * n, group.keep_stride = 0;
-      group.keep[i] = nullptr, group.seen[i] = causal ? past + r % t + 1 : n;
-    });
-  }
-  auto context = bmm_kernel(w, v.reshape({-1, n, v.size(-1)}));
   auto lead = q.sizes().slice(0, dims - 2).vec();
   auto weights_shape = lead, context_shape = lead;
   weights_shape.insert(weights_shape.end(), {t, n});
-  context_shape.insert(context_shape.end(), {t, v.size(-1)});
-  return {context.view(context_shape), w.view(weights_shape)};
+  context_shape.insert(context_shape.end(), {t, dv});
+  auto w = at::empty(weights_shape, q.options());
+  auto context = at::empty(context_shape, q.options());
+  const int64_t heads = c10::multiply_integers(lead);
+  if (heads == 0 || t == 0 || dv == 0) {
+    return {context, w};
+  }
+  const auto path = chosen_path();
+  TORCH_CHECK(minigpt::gemm::supported(path), "MINIGPT_GEMM_PATH=",
+              minigpt::gemm::path_name(path), ": this CPU cannot run that path");
+  const auto plan = minigpt::gemm::detail::plan(minigpt::gemm::resolve(path), float());
+  // The products as the census knows them: each head's scores (T, d_k) x (d_k, P + T), its
+  // query scaled into a buffer of its own, and its context (T, P + T) x (P + T, d_v).
+  record_shapes(false, {t, dk}, {dk, 1}, {dk, n}, {k.stride(-1), k.stride(-2)}, std::nullopt,
+                false, 1, 1);
+  record_shapes(false, {t, n}, {n, 1}, {n, dv}, {v.stride(-2), v.stride(-1)}, std::nullopt,
+                false, 1, 1);
+  const auto q_at = attention_kernel::offsets(q, heads);
+  const auto k_at = attention_kernel::offsets(k, heads);
+  const auto v_at = attention_kernel::offsets(v, heads);
+  const float* pq = q.const_data_ptr<float>();
+  const float* pk = k.const_data_ptr<float>();
+  const float* pv = v.const_data_ptr<float>();
+  float* pw = w.data_ptr<float>();
+  float* pc = context.data_ptr<float>();
+  // at::div(q, sqrt(d_k)): the double rounded to the operands' float32, then a true division.
+  const float scale = static_cast<float>(std::sqrt(static_cast<double>(dk)));
+  // Causal scores in bands of a tile's width of rows, each up to the last key its last row
+  // sees: the tiles wholly after the diagonal are skipped.
+  const int64_t band = causal ? plan.NR : t;
+  const int64_t q_row = q.stride(-2), q_col = q.stride(-1), k_row = k.stride(-2),
+                k_col = k.stride(-1), v_row = v.stride(-2), v_col = v.stride(-1);
+  const int64_t work = t * n * (dk + dv);
+  const int64_t grain = std::max<int64_t>(1, PARALLEL_WORK / std::max<int64_t>(work, 1));
+  at::parallel_for(0, heads, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scaled(t * dk), scores(t * n);
+    for (int64_t h = begin; h < end; ++h) {
+      const float* qh = pq + q_at[h];
+      float* wh = pw + h * t * n;
+      for (int64_t i = 0; i < t; ++i) {
+        float* to = scaled.data() + i * dk;
+        const float* from = qh + i * q_row;
+        if (q_col == 1) {  // (a loop the compiler turns into vector divisions)
+          for (int64_t p = 0; p < dk; ++p) to[p] = from[p] / scale;
+        } else {
+          for (int64_t p = 0; p < dk; ++p) to[p] = from[p * q_col] / scale;
+        }
+      }
+      minigpt::gemm::Product<float> sc;  // scores = scaled q k^T, B = k^T read in place
+      sc.M = t, sc.N = n, sc.K = dk;
+      sc.a = scaled.data(), sc.a_row = dk, sc.a_col = 1;
+      sc.b = pk + k_at[h], sc.b_row = k_col, sc.b_col = k_row;
+      sc.c = scores.data(), sc.ldc = n;
+      for (int64_t r0 = 0; r0 < t; r0 += band) {
+        const int64_t r1 = std::min(t, r0 + band);
+        minigpt::gemm::detail::compute_plan(
+            sc, minigpt::gemm::Rect{r0, r1, 0, causal ? past + r1 : n}, plan);
+      }
+      // The weights: row r reads its scores up to the last key it sees, no further.
+      const float* ps = scores.data();
+      if (n > 0) {
+        softmax::over_rows(t, n, false, [&](int64_t r, auto& group, int i) {
+          group.s[i] = ps + r * n, group.w[i] = wh + r * n, group.keep_stride = 0;
+          group.keep[i] = nullptr, group.seen[i] = causal ? past + r + 1 : n;
+        });
+      }
+      minigpt::gemm::Product<float> cx;  // context = weights v, over every key in order
+      cx.M = t, cx.N = dv, cx.K = n;
+      cx.a = wh, cx.a_row = n, cx.a_col = 1;
+      cx.b = pv + v_at[h], cx.b_row = v_row, cx.b_col = v_col;
+      cx.c = pc + h * t * dv, cx.ldc = dv;
+      minigpt::gemm::detail::compute_plan(cx, minigpt::gemm::Rect{0, t, 0, dv}, plan);
+    }
+  });
+  return {context, w};
 }
 
 // PyTorch's own CPU product (MKL), past the package's kernels: the control that shows what
