@@ -263,9 +263,11 @@ def generate(
             if stop_id is not None and bool(ended.all()):
                 break
         left = ids.shape[-1] + max_new_tokens - seq.shape[1]
-        for _ in range(left if draw else 0):  # the draws the skipped steps would have taken
-            torch.multinomial(probs, num_samples=1, generator=generator)
-        seq = torch.cat([seq, seq.new_full((len(seq), left), stop_id or 0)], dim=1)
+        if left:  # every row ended early: the skipped steps' draws, and their stop tokens
+            assert stop_id is not None
+            for _ in range(left if draw else 0):
+                torch.multinomial(probs, num_samples=1, generator=generator)
+            seq = torch.cat([seq, seq.new_full((len(seq), left), stop_id)], dim=1)
     return seq[0] if squeeze else seq
 
 
