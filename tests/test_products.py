@@ -206,6 +206,22 @@ def test_attention_in_one_call_has_the_bits_of_its_calls_one_by_one(
     assert len(fused) == len(alone) and all(map(torch.equal, fused, alone))
 
 
+@pytest.mark.parametrize(("heads", "t", "n", "d_k", "d_v", "causal"), [
+    (0, 5, 7, 8, 8, True), (3, 0, 4, 8, 8, True), (3, 5, 7, 0, 8, True),
+    (3, 5, 7, 8, 0, True), (3, 4, 7, 8, 8, False)])
+def test_attention_in_one_call_at_empty_edges(heads: int, t: int, n: int, d_k: int,
+                                              d_v: int, causal: bool) -> None:
+    # no heads, no queries, no features, no value features (the weights are still computed):
+    # what the calls one by one give
+    q, k, v = _random(2, heads, t, d_k), _random(2, heads, n, d_k, seed=1), _random(
+        2, heads, n, d_v, seed=2)
+    context, weights = products.attention(q, k, v, n - t, causal)
+    mask = causal_mask(t, past=n - t) if causal else None
+    expected_context, expected_weights = scaled_dot_product_attention(q, k, v, mask)
+    assert context.shape == expected_context.shape and weights.shape == expected_weights.shape
+    assert torch.equal(context, expected_context) and torch.equal(weights, expected_weights)
+
+
 def test_attention_in_one_call_refuses_what_it_does_not_compute(
         monkeypatch: pytest.MonkeyPatch) -> None:
     q, k = _random(2, 3, 4, 8), _random(2, 3, 6, 8)
@@ -216,6 +232,8 @@ def test_attention_in_one_call_refuses_what_it_does_not_compute(
     with pytest.raises(RuntimeError, match="4 causal queries after 1 cached positions see 5 "
                                            "keys, not 6"):
         products.attention(q, k, k, 1, True)
+    with pytest.raises(RuntimeError, match="at least one key"):  # as the softmax alone
+        products.attention(q, k[:, :, :0], k[:, :, :0], 0, False)
     # dropout on the weights (training), autocast (bfloat16 products) and another dtype take
     # the calls one by one
     calls: list[int] = []

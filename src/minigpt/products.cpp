@@ -872,6 +872,8 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tens
   TORCH_CHECK(!causal || (past >= 0 && past + t == n), "minigpt_products::attention: ", t,
               " causal queries after ", past, " cached positions see ", past + t, " keys, not ",
               n);
+  TORCH_CHECK(n >= 1, "minigpt_products::attention: at least one key (a softmax over none "
+              "is undefined), got k of shape ", k.sizes());
   auto lead = q.sizes().slice(0, dims - 2).vec();
   auto weights_shape = lead, context_shape = lead;
   weights_shape.insert(weights_shape.end(), {t, n});
@@ -879,9 +881,7 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tens
   auto w = at::empty(weights_shape, q.options());
   auto context = at::empty(context_shape, q.options());
   const int64_t heads = c10::multiply_integers(lead);
-  if (heads == 0 || t == 0 || dv == 0) {
-    return {context, w};
-  }
+  if (heads == 0 || t == 0) return {context, w};
   const auto path = chosen_path();
   TORCH_CHECK(minigpt::gemm::supported(path), "MINIGPT_GEMM_PATH=",
               minigpt::gemm::path_name(path), ": this CPU cannot run that path");
@@ -935,12 +935,10 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tens
       }
       // The weights: row r reads its scores up to the last key it sees, no further.
       const float* ps = scores.data();
-      if (n > 0) {
-        softmax::over_rows(t, n, false, [&](int64_t r, auto& group, int i) {
-          group.s[i] = ps + r * n, group.w[i] = wh + r * n, group.keep_stride = 0;
-          group.keep[i] = nullptr, group.seen[i] = causal ? past + r + 1 : n;
-        });
-      }
+      softmax::over_rows(t, n, false, [&](int64_t r, auto& group, int i) {
+        group.s[i] = ps + r * n, group.w[i] = wh + r * n, group.keep_stride = 0;
+        group.keep[i] = nullptr, group.seen[i] = causal ? past + r + 1 : n;
+      });
       minigpt::gemm::Product<float> cx;  // context = weights v, over every key in order
       cx.M = t, cx.N = dv, cx.K = n;
       cx.a = wh, cx.a_row = n, cx.a_col = 1;
