@@ -5,6 +5,7 @@ the command line sits above them all; imports inside functions count too."""
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import subprocess
 import sys
@@ -86,15 +87,31 @@ def test_the_package_finds_the_repository_it_lies_in() -> None:
     assert published.INDEX.is_file() and published.CONFIG.is_file()
 
 
+
+def test_the_check_reads_every_kind_of_import(tmp_path: Path) -> None:
+    # Both kinds of import statement, at the top and inside a function (the walk over the
+    # tree is read once per kind: a generator read by the first would leave the second none).
+    module = tmp_path / "both.py"
+    module.write_text("import numpy\n\n\ndef f():\n    from pydantic import BaseModel\n")
+    assert distributions(module) == {"numpy", "pydantic"}
+    assert distributions(module, loaded_only=True) == {"numpy"}
+
+@functools.cache
+def top_level_distributions() -> dict[str, list[str]]:
+    """The installed distributions that provide each top-level module (read once: it scans
+    every installed distribution's file list, a quarter of a second a call)."""
+    return packages_distributions()
+
+
 def distributions(path: Path, *, loaded_only: bool = False) -> set[str]:
     """The registry packages a module imports (all its imports, or with ``loaded_only`` those
     that run when it is loaded, not inside a function), by their normalised names."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    nodes = tree.body if loaded_only else ast.walk(tree)
+    nodes = list(tree.body if loaded_only else ast.walk(tree))  # read twice below
     tops = {alias.name for node in nodes if isinstance(node, ast.Import) for alias in node.names}
     tops |= {node.module for node in nodes if isinstance(node, ast.ImportFrom) and node.module
              and node.level == 0}
-    found = packages_distributions()
+    found = top_level_distributions()
     return {normalised(dist) for top in tops for dist in found.get(top.split(".")[0], [])
             if top.split(".")[0] not in sys.stdlib_module_names | {"minigpt"}}
 
