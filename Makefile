@@ -110,8 +110,11 @@ SFT_RUNS := rl-sft-random-0 rl-sft-random-1 rl-sft-random-2 \
 	rl-sft-frequent-0 rl-sft-frequent-1 rl-sft-frequent-2
 COIN_RUNS := rl-grpo-coin-0 rl-grpo-coin-1 rl-grpo-coin-2
 # The inside-the-model chapter's small models (minigpt.interp), trained on the corpus alone.
-COPIERS_A := copy-0 copy-2 copy-plain copy-fixed
-COPIERS_B := copy-1 copy-1layer copy-mix-25 copy-mix-50
+# copy-1layer (about 26 s) sits with the first lane's: on two cores that lane also exports
+# the playground and still finished about 60 s before the other (a fresh `make test` at
+# 6f882c1); on four, the fourth lane is the longest.
+COPIERS_A := copy-0 copy-2 copy-plain copy-fixed copy-1layer
+COPIERS_B := copy-1 copy-mix-25 copy-mix-50
 ifeq ($(shell test $(NPROC) -ge 4 2>/dev/null && echo many),many)
 MODEL_LANES := "book draft dpo-beta0.1 dpo-beta2 $(RFT_RUNS)" "modern sft-0 rl-cold dpo $(COIN_RUNS)" \
 	"sft-1 $(GRPO_RUNS) $(COPIERS_A)" "sft-2 $(SFT_RUNS) $(REINFORCE_RUNS) $(RHYMES_ONLY_RUNS) \

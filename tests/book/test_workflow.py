@@ -301,6 +301,25 @@ def test_make_unit_torch_puts_that_torch_in_a_venv_of_its_own() -> None:
     assert len(pinned) == 1 and re.fullmatch(r"torch==[\d.]+", pinned[0]), pinned
 
 
+
+@pytest.mark.parametrize("cores", [2, 4])
+def test_set_ups_lanes_train_every_model_once(cores: int) -> None:
+    # The lanes `make book-model` trains side by side (one a core, up to four): every model of
+    # the catalogue in exactly one of them, so that none is left to a chapter's execution.
+    from minigpt.recipes import catalogue
+
+    env = {k: v for k, v in os.environ.items() if k not in (
+        "MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "VENV", "TORCH", "NPROC")}
+    result = subprocess.run(["make", "--no-print-directory", "-n", "-B", "book-model",
+                             f"NPROC={cores}"], capture_output=True, text=True, cwd=ROOT,
+                            timeout=60, env=env)
+    assert result.returncode == 0, result.stderr
+    (loop,) = re.findall(r"for lane in (.*?); do", result.stdout)
+    lanes = [lane.split() for lane in re.findall(r'"([^"]*)"', loop)]
+    assert len(lanes) == min(cores, 4)
+    named = [name for lane in lanes for name in lane]
+    assert sorted(named) == sorted(catalogue.MODELS), "each model in one lane, once"
+
 def test_the_book_is_redrawn_weekly_and_its_report_kept_whatever_failed() -> None:
     # `make redraw`: both draws, each from an empty cache; the report and the executed
     # chapters are uploaded even when a chapter's cell failed (the run then exits 1).
