@@ -112,7 +112,7 @@ COIN_RUNS := rl-grpo-coin-0 rl-grpo-coin-1 rl-grpo-coin-2
 # The inside-the-model chapter's small models (minigpt.interp), trained on the corpus alone.
 # copy-1layer (about 26 s) sits with the first lane's: on two cores that lane also exports
 # the playground and still finished about 60 s before the other (a fresh `make test` at
-# 6f882c1); on four, the fourth lane is the longest.
+# 6f882c1). Four-core lanes take the same split (not measured on four cores).
 COPIERS_A := copy-0 copy-2 copy-plain copy-fixed copy-1layer
 COPIERS_B := copy-1 copy-mix-25 copy-mix-50
 ifeq ($(shell test $(NPROC) -ge 4 2>/dev/null && echo many),many)
