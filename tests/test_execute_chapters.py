@@ -4,6 +4,7 @@ looks it up, longest chapters first; a failing chapter is reported, not cached."
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -74,14 +75,33 @@ def test_two_chapters_that_use_both_cores_never_run_together() -> None:
 
 def test_execution_returns_outputs_or_the_error(tmp_path: Path) -> None:
     good = tmp_path / "good.md"
-    good.write_text(HEADER + "```{code-cell} ipython3\nprint(6 * 7)\n```\n", "utf-8")
-    nb, seconds, error = tool.execute(good, SETTINGS)
+    good.write_text(HEADER + "```{code-cell} ipython3\nimport os\n"
+                    "print(6 * 7, os.environ['PYTHONHASHSEED'])\n```\n", "utf-8")
+    before = dict(os.environ)
+    nb, seconds, error = tool.execute(good, SETTINGS, census=tmp_path / "census")
+    # The kernel ran with the hash seed and the census; this process keeps its environment
+    # (a variable left behind would reach every key it takes later: the steering ones).
+    assert dict(os.environ) == before
     assert error is None and seconds > 0
-    assert nb.cells[0].outputs[0]["text"] == "42\n"
+    assert nb.cells[0].outputs[0]["text"] == f"42 {baseline.HASH_SEED}\n"
     bad = tmp_path / "bad.md"
     bad.write_text(HEADER + "```{code-cell} ipython3\n1 / 0\n```\n", "utf-8")
     _, _, error = tool.execute(bad, SETTINGS)
     assert error is not None and "ZeroDivisionError" in error
+
+
+def test_the_kernels_environment_is_put_back_as_it_was(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MINIGPT_SET_BEFORE", "before")
+    monkeypatch.delenv("MINIGPT_UNSET_BEFORE", raising=False)
+    with baseline.kernel_environment(MINIGPT_SET_BEFORE="inside", MINIGPT_UNSET_BEFORE="x"):
+        assert os.environ["MINIGPT_SET_BEFORE"] == "inside"
+        assert os.environ["MINIGPT_UNSET_BEFORE"] == "x"
+    assert os.environ["MINIGPT_SET_BEFORE"] == "before"
+    assert "MINIGPT_UNSET_BEFORE" not in os.environ
+    with pytest.raises(RuntimeError), baseline.kernel_environment(MINIGPT_SET_BEFORE="x"):
+        raise RuntimeError("a cell failed")
+    assert os.environ["MINIGPT_SET_BEFORE"] == "before"
 
 
 @pytest.mark.parametrize(("argv", "message"), [

@@ -41,6 +41,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,7 @@ DEFAULT_TIMEOUT = 600  # seconds a cell may take, as in _config.yml
 # Outputs nbval does not compare without nbdime; dropped to keep the files small.
 DROPPED_MIME_PREFIXES = ("image/",)
 HASH_SEED = "0"  # the same in the build, in nbval and here (set iteration order)
+
 #: The sha256 of every cached model's weights, as set-up trained them: a re-baseline writes
 #: it, tests/test_reproducible.py checks the cache against it.
 MODEL_HASHES = STORED_DIR / "models.json"
@@ -137,9 +139,27 @@ def code_cells(nb: nbformat.NotebookNode) -> list[tuple[str, list[str]]]:
     ]
 
 
+@contextmanager
+def kernel_environment(**values: str) -> Iterator[None]:
+    """Set ``values`` in this process's environment, which a kernel started inside inherits,
+    and put back what was there after: a caller that executes a chapter in its own process
+    (a test does) keeps the environment it had. A variable left behind would reach every
+    later key taken in that process (`kept.key` reads the steering variables, the hash seed
+    among them)."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def execute(nb: nbformat.NotebookNode, cwd: Path, timeout: int) -> nbformat.NotebookNode:
     """Run every cell in a fresh `python3` kernel started in `cwd`; errors propagate."""
-    os.environ["PYTHONHASHSEED"] = HASH_SEED  # inherited by the kernel process
     client = NotebookClient(
         nb,
         timeout=timeout,
@@ -148,7 +168,8 @@ def execute(nb: nbformat.NotebookNode, cwd: Path, timeout: int) -> nbformat.Note
         record_timing=False,  # timestamps would make every re-baseline a diff
         allow_errors=False,  # a cell tagged raises-exception may still raise
     )
-    client.execute()
+    with kernel_environment(PYTHONHASHSEED=HASH_SEED):  # inherited by the kernel process
+        client.execute()
     return nb
 
 

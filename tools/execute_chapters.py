@@ -94,12 +94,13 @@ def execute(chapter: Path, settings: dict[str, Any],
     ``census``, a folder, the kernel journals the matrix products it computes there."""
     from jupyter_cache.executors.utils import single_nb_execution
 
-    os.environ["PYTHONHASHSEED"] = baseline.HASH_SEED  # inherited by the kernel
+    variables = {"PYTHONHASHSEED": baseline.HASH_SEED}  # inherited by the kernel
     if census is not None:
-        os.environ["MINIGPT_CENSUS"] = str(census)
+        variables["MINIGPT_CENSUS"] = str(census)
     nb = read_chapter(chapter, settings["extensions"])
-    result = single_nb_execution(nb, cwd=str(chapter.parent), timeout=settings["timeout"],
-                                 allow_errors=settings["allow_errors"], meta_override=True)
+    with baseline.kernel_environment(**variables):
+        result = single_nb_execution(nb, cwd=str(chapter.parent), timeout=settings["timeout"],
+                                     allow_errors=settings["allow_errors"], meta_override=True)
     error = None if result.err is None else (result.exc_string or repr(result.err))
     return nb, result.time, error
 
