@@ -274,12 +274,16 @@ def test_every_model_is_trained_afresh_weekly_and_checked() -> None:
                      makefile, re.MULTILINE)
 
 
+def _dry_run_environment() -> dict[str, str]:
+    """This process's environment for a `make -n`: under `make` itself (`make unit`, `make
+    test`), the variables given to that make (TORCH=, VENV=, SLOW=, NPROC=) would reach the
+    dry run through MAKEFLAGS and the environment, so they are left out."""
+    return {k: v for k, v in os.environ.items() if k not in (
+        "MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "VENV", "TORCH", "SLOW", "NPROC")}
+
 def test_make_unit_torch_puts_that_torch_in_a_venv_of_its_own() -> None:
     # What CI's oldest-torch job runs, as a dry run: the venv, its requirements and the tests.
-    # Under `make unit` itself, the variables given to that make (TORCH=, VENV=) reach this
-    # one through MAKEFLAGS and the environment: leave them out.
-    env = {k: v for k, v in os.environ.items() if k not in (
-        "MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "VENV", "TORCH", "SLOW")}
+    env = _dry_run_environment()
     result = subprocess.run(["make", "--no-print-directory", "-n", "-B", "unit", "TORCH=9.9",
                              "SLOW=1"], capture_output=True, text=True, cwd=ROOT, timeout=60,
                             env=env)
@@ -308,8 +312,7 @@ def test_set_ups_lanes_train_every_model_once(cores: int) -> None:
     # the catalogue in exactly one of them, so that none is left to a chapter's execution.
     from minigpt.recipes import catalogue
 
-    env = {k: v for k, v in os.environ.items() if k not in (
-        "MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "VENV", "TORCH", "NPROC")}
+    env = _dry_run_environment()
     result = subprocess.run(["make", "--no-print-directory", "-n", "-B", "book-model",
                              f"NPROC={cores}"], capture_output=True, text=True, cwd=ROOT,
                             timeout=60, env=env)
